@@ -1,0 +1,33 @@
+# One command each, on a fresh clone: `make demo` (the main job) and `make test` (the suite).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test thorough bench lint clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/shadowradix demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest --hypothesis-profile=ci --cov=shadowradix --cov-branch \
+		--cov-report=term-missing:skip-covered --cov-fail-under=95
+
+thorough: $(STAMP)
+	$(BIN)/python -m pytest --hypothesis-profile=thorough -p no:cacheprovider tests/test_stateful.py
+
+bench: $(STAMP)
+	$(BIN)/python bench/trace_replay.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check shadowradix hisparse tests bench
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis .coverage

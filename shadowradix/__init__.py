@@ -1,0 +1,64 @@
+"""shadowradix: prefix-cache management for DeepSeek-V4-style hybrid sparse attention.
+
+Pure core (no torch): a radix tree over virtual full-token slots with per-pool shadows
+(SWA table, compressed arithmetic, ring rows), two-counter locks, tombstoning, LRU eviction
+and bounded replay. See docs/design.md.
+"""
+
+from __future__ import annotations
+
+from .allocator import PageAllocator, SwaPage, VirtualPage
+from .cache import ShadowRadixCache
+from .config import V4_FLASH_RATIOS, CacheConfig, StreamSpec
+from .errors import (
+    CapacityError,
+    ConfigError,
+    InvalidRequestError,
+    LockError,
+    ShadowRadixError,
+    StaleMatchError,
+)
+from .locks import LockReceipt, Pool
+from .request import Request, RequestState
+from .results import (
+    Allocation,
+    CacheStats,
+    EvictionReport,
+    MatchResult,
+    PoolStats,
+    ReadPlan,
+    StreamReads,
+    StreamWrites,
+    WindowSource,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Allocation",
+    "CacheConfig",
+    "CacheStats",
+    "CapacityError",
+    "ConfigError",
+    "EvictionReport",
+    "InvalidRequestError",
+    "LockError",
+    "LockReceipt",
+    "MatchResult",
+    "PageAllocator",
+    "Pool",
+    "PoolStats",
+    "ReadPlan",
+    "Request",
+    "RequestState",
+    "ShadowRadixCache",
+    "ShadowRadixError",
+    "StaleMatchError",
+    "StreamReads",
+    "StreamSpec",
+    "StreamWrites",
+    "SwaPage",
+    "V4_FLASH_RATIOS",
+    "VirtualPage",
+    "WindowSource",
+]

@@ -1,0 +1,536 @@
+"""`ShadowRadixCache`: the request lifecycle over one radix tree and its per-pool shadows.
+
+Every public mutating call validates first, then checks capacity (free + evictable pages), and
+only then changes anything: a call that raises leaves the cache exactly as it was. Costs are
+O(pages) in Python; per-token work is vectorised in `shadows`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .allocator import PageAllocator
+from .config import CacheConfig
+from .errors import CapacityError, ConfigError, InvalidRequestError, StaleMatchError
+from .locks import LockTable
+from .lru import LruIndex
+from .node import Node
+from .radix_tree import RadixTree, Walk
+from .request import Request, RequestState
+from .results import (
+    Allocation,
+    CacheStats,
+    EvictionReport,
+    MatchResult,
+    PoolStats,
+    ReadPlan,
+    WindowSource,
+)
+from .shadows import Run, Shadows
+
+TokenInput = Sequence[int] | np.ndarray
+
+
+class ShadowRadixCache:
+    """Prefix cache for DeepSeek-V4-style hybrid attention. See docs/design.md and docs/api.md.
+
+    Lifecycle: ``match_prefix`` → ``admit`` → ``extend`` / ``extend_draft`` + ``rollback`` →
+    ``cache_unfinished`` (any time) → ``finish`` or ``abort``.
+    """
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        p = config.page_size
+        self._full = PageAllocator("full", config.num_full_pages, config.max_full_pages)
+        self._swa = PageAllocator("swa", config.num_swa_pages, config.max_swa_pages)
+        self._index = LruIndex(p, config.window)
+        self._tree = RadixTree(p, self._index)
+        self._locks = LockTable(self._index.update)
+        self._shadows = Shadows(config)
+        self._requests: dict[int, Request] = {}
+        self._prompt_tokens = self._hit_tokens = self._replayed_tokens = self._replayed_hits = 0
+        self._evicted = EvictionReport()
+
+    # -- matching and admission ------------------------------------------------------------------
+
+    def match_prefix(self, tokens: TokenInput) -> MatchResult:
+        """Longest reusable prefix of ``tokens``. Pure: changes nothing (not even LRU order).
+
+        The match ends on a page boundary whose preceding ``window`` tokens are live SWA; with
+        ``bounded_replay`` it may instead end at the deepest cached boundary and ask for the
+        window to be replayed, when that skips more tokens.
+        """
+        arr = self._as_tokens(tokens, "tokens")
+        walk = self._tree.walk(arr)
+        cached_len = walk.num_pages * self.config.page_size
+        node, node_pages = self._deepest_live(walk)
+        prefix_len = (node.start_page + node_pages) * self.config.page_size
+        replay_gain = cached_len - self.config.window
+        if self.config.bounded_replay and replay_gain > prefix_len:
+            return MatchResult(
+                len(arr), cached_len, cached_len, replay_gain, WindowSource.REPLAY, replay_gain,
+                walk.nodes[-1], walk.last_pages, self._tree.version, arr,
+            )
+        source = WindowSource.LIVE if prefix_len else WindowSource.NONE
+        return MatchResult(
+            len(arr), cached_len, prefix_len, prefix_len, source, None, node, node_pages,
+            self._tree.version, arr,
+        )
+
+    def _deepest_live(self, walk: Walk) -> tuple[Node, int]:
+        """Deepest boundary of ``walk`` whose window is live SWA, as (node, pages into it).
+
+        ``run_start[i]``: first page of the live run that ends at node ``i``'s end (live SWA is
+        a suffix of each node, so runs chain through fully-live nodes).
+        """
+        p, w = self.config.page_size, self.config.window
+        run_start, prev = [], 0
+        for n in walk.nodes:
+            live_from = n.start_page + n.live_from
+            prev = live_from if live_from > n.start_page else prev
+            run_start.append(prev)
+        for i in range(len(walk.nodes) - 1, -1, -1):
+            n = walk.nodes[i]
+            used = walk.last_pages if i == len(walk.nodes) - 1 else n.num_pages
+            end_page = n.start_page + used
+            if end_page > n.start_page + n.live_from and max(0, end_page * p - w) >= run_start[i] * p:
+                return n, used
+        return self._tree.root, 0
+
+    def admit(self, tokens: TokenInput, match: MatchResult | None = None) -> Request:
+        """Start a request whose prompt is ``tokens``, resuming after ``match`` (matched now if
+        omitted). Locks the matched path; a replayed match also gets private SWA pages for its
+        window, returned in ``request.replay_allocation`` for the adapter to recompute.
+
+        Raises `StaleMatchError` if the tree changed since ``match``, `InvalidRequestError` if
+        ``tokens`` do not start with the matched prefix, `CapacityError` if the replay window
+        cannot be allocated.
+        """
+        arr = self._as_tokens(tokens, "prompt")
+        if match is None:
+            match = self.match_prefix(arr)
+        self._check_match(arr, match)
+        p, w = self.config.page_size, self.config.window
+        prefix_pages = match.prefix_len // p
+        window_first = max(0, match.prefix_len - w) // p
+        replay_pages = prefix_pages - window_first if match.is_replay else 0
+        self._ensure_capacity(0, replay_pages)
+        node = match.node
+        if 0 < match.node_pages < node.num_pages:
+            node = self._tree.split(node, match.node_pages)
+        request = Request(self, arr, match)
+        request.terminal = node
+        self._requests[request.id] = request
+        request.vpages = self._path_vpages(node)
+        request.tree_pages = prefix_pages
+        if not node.is_root:
+            request.full_receipt = self._locks.lock_full(node)
+        self._tree.touch(node.path_from_root())
+        request.swa_base = window_first
+        if match.is_replay:
+            evicted = self._make_room(0, replay_pages)
+            request.swa_pages = self._swa.allocate(replay_pages)
+            request.swa_owned = [True] * replay_pages
+            run = Run(match.replay_start or 0, match.prefix_len, request.vpages[window_first:], window_first, request.swa_pages)
+            request.replay_allocation = self._shadows.allocation((request.id,), [run], evicted, replay=True)
+        else:
+            request.swa_pages = self._tree_swa_pages(node, window_first, prefix_pages)
+            request.swa_owned = [False] * len(request.swa_pages)
+            if request.swa_pages:
+                request.swa_receipt = self._locks.lock_swa(node, window_first)
+        self._account_admission(arr, match)
+        self._debug_check()
+        return request
+
+    def _check_match(self, arr: np.ndarray, match: MatchResult) -> None:
+        if match.version != self._tree.version:
+            raise StaleMatchError("the tree changed since this match was taken; match again")
+        n = match.prefix_len
+        if len(arr) < n or not np.array_equal(arr[:n], match.tokens[:n]):
+            raise InvalidRequestError("tokens do not start with the matched prefix")
+
+    def _path_vpages(self, node: Node) -> list[int]:
+        path = node.path_from_root()
+        return np.concatenate([n.vpages for n in path]).tolist() if path else []
+
+    def _tree_swa_pages(self, node: Node, first_page: int, end_page: int) -> list[int]:
+        """Live tree SWA pages for ``[first_page, end_page)`` along the path ending at ``node``."""
+        parts = []
+        n: Node | None = node
+        while n is not None and not n.is_root and n.end_page > first_page:
+            lo = max(first_page, n.start_page) - n.start_page
+            assert lo >= n.live_from, "window pages must be live SWA"
+            parts.append(n.swa_pages[lo - n.live_from :])
+            n = n.parent
+        return np.concatenate(parts[::-1]).tolist() if parts else []
+
+    def _account_admission(self, arr: np.ndarray, match: MatchResult) -> None:
+        self._prompt_tokens += len(arr)
+        self._hit_tokens += match.hit_len
+        self._replayed_tokens += match.replayed_len
+        self._replayed_hits += int(match.is_replay)
+
+    # -- extension ---------------------------------------------------------------------------
+
+    def extend(self, request: Request, tokens: TokenInput) -> Allocation:
+        """Append committed tokens (a prefill chunk or decoded tokens) to one request."""
+        return self.extend_batch([request], [tokens])
+
+    def extend_batch(self, requests: Sequence[Request], tokens: Sequence[TokenInput]) -> Allocation:
+        """Append committed tokens to several requests at once: one `Allocation` for the step.
+
+        All or nothing: on any error no request changes. Window pages that every request's
+        window has left are released *after* allocating (the current forward still reads them).
+        """
+        arrays = self._validate_extend(requests, tokens, draft=False)
+        return self._extend(requests, arrays, draft=False)
+
+    def extend_draft(self, request: Request, tokens: TokenInput) -> Allocation:
+        """Append speculative draft tokens; `rollback` must settle them before anything else.
+
+        Needs ``speculative=True`` (doubled rings) and at most ``config.max_draft_len`` tokens.
+        """
+        arrays = self._validate_extend([request], [tokens], draft=True)
+        return self._extend([request], arrays, draft=True)
+
+    def _validate_extend(
+        self, requests: Sequence[Request], tokens: Sequence[TokenInput], draft: bool
+    ) -> list[np.ndarray]:
+        if len(requests) != len(tokens) or not requests:
+            raise InvalidRequestError("need one token list per request, and at least one request")
+        if len({r.id for r in requests}) != len(requests):
+            raise InvalidRequestError("a request appears twice in one batch")
+        arrays = []
+        for r, t in zip(requests, tokens):
+            self._check_active(r)
+            if r.num_draft:
+                raise InvalidRequestError(f"request {r.id} has unverified drafts: rollback first")
+            arrays.append(self._as_tokens(t, "tokens"))
+        if draft:
+            limit = self.config.max_draft_len
+            if not self.config.speculative:
+                raise InvalidRequestError("extend_draft needs CacheConfig(speculative=True)")
+            if limit is not None and len(arrays[0]) > limit:
+                raise InvalidRequestError(f"draft of {len(arrays[0])} tokens exceeds max_draft_len={limit}")
+        return arrays
+
+    def _extend(self, requests: Sequence[Request], arrays: list[np.ndarray], draft: bool) -> Allocation:
+        p = self.config.page_size
+        needs = [self._pages_needed(r, len(a)) for r, a in zip(requests, arrays)]
+        self._ensure_capacity(sum(n[0] for n in needs), sum(n[1] for n in needs))
+        evicted = self._make_room(sum(n[0] for n in needs), sum(n[1] for n in needs))
+        runs = []
+        for r, a, (nv, ns) in zip(requests, arrays, needs):
+            start = len(r.tokens)
+            r.vpages.extend(self._full.allocate(nv))
+            r.swa_pages.extend(self._swa.allocate(ns))
+            r.swa_owned.extend([True] * ns)
+            end = start + len(a)
+            first = max(r.swa_base, (start - self.config.window) // p)
+            runs.append(
+                Run(start, end, r.vpages[start // p :], first, r.swa_pages[first - r.swa_base :])
+            )
+            r.tokens.extend(a.tolist())
+            if draft:
+                r.num_draft = len(a)
+            else:
+                self._release_window(r, start)
+        allocation = self._shadows.allocation(tuple(r.id for r in requests), runs, evicted)
+        self._debug_check()
+        return allocation
+
+    def _pages_needed(self, request: Request, num_tokens: int) -> tuple[int, int]:
+        p = self.config.page_size
+        end = len(request.tokens) + num_tokens
+        last_page = (end - 1) // p
+        num_v = last_page + 1 - len(request.vpages)
+        num_s = last_page + 1 - (request.swa_base + len(request.swa_pages))
+        return num_v, num_s
+
+    def _release_window(self, request: Request, start: int) -> None:
+        """Drop window pages no step from ``start`` on can read.
+
+        Kept: pages intersecting ``[F - window, ∞)`` with ``F`` the last page boundary ≤ start,
+        so that inserting the request later leaves the window before ``F`` live (full hit).
+        """
+        p = self.config.page_size
+        request.released_at = start
+        new_base = max(0, start // p * p - self.config.window) // p
+        drop = new_base - request.swa_base
+        if drop <= 0:
+            return
+        owned = [pg for pg, own in zip(request.swa_pages[:drop], request.swa_owned[:drop]) if own]
+        self._swa.free(owned)
+        del request.swa_pages[:drop], request.swa_owned[:drop]
+        request.swa_base = new_base
+        self._relock_swa(request)
+
+    def _relock_swa(self, request: Request) -> None:
+        """Re-take the SWA lock so it covers exactly the tree pages in the request's window."""
+        old = request.swa_receipt
+        tree_part = request.swa_owned[: max(0, request.tree_pages - request.swa_base)]
+        request.swa_receipt = None
+        if not all(tree_part):
+            request.swa_receipt = self._locks.lock_swa(request.terminal, request.swa_base)
+        if old is not None:
+            self._locks.unlock(old)
+
+    def rollback(self, request: Request, num_tokens: int) -> None:
+        """Reject the last ``num_tokens`` draft tokens and commit the rest of the draft.
+
+        Afterwards tree and pools equal a run that extended only the accepted tokens (unless
+        the draft's allocation had to evict): rejected pages go back on top of the free stacks.
+        """
+        self._check_active(request)
+        if not 0 <= num_tokens <= request.num_draft:
+            raise InvalidRequestError(
+                f"can roll back 0..{request.num_draft} draft tokens, not {num_tokens}"
+            )
+        p = self.config.page_size
+        start = len(request.tokens) - request.num_draft
+        accepted = request.num_draft - num_tokens
+        end = start + accepted
+        keep_pages = -(-end // p)
+        self._swa.give_back(request.swa_pages[keep_pages - request.swa_base :])
+        del request.swa_pages[keep_pages - request.swa_base :], request.swa_owned[keep_pages - request.swa_base :]
+        self._full.give_back(request.vpages[keep_pages:])
+        del request.vpages[keep_pages:], request.tokens[end:]
+        request.num_draft = 0
+        if accepted:
+            self._release_window(request, start)
+        self._debug_check()
+
+    # -- caching and completion ----------------------------------------------------------------
+
+    def cache_unfinished(self, request: Request) -> None:
+        """Insert the request's committed full pages into the tree; the request keeps running.
+
+        Pages the tree already holds (another request inserted the same prefix) replace the
+        request's duplicates; out-of-window pages are inserted as tombstones.
+        """
+        self._check_active(request)
+        self._insert(request)
+        self._debug_check()
+
+    def finish(self, request: Request) -> None:
+        """Insert the committed full pages, then release every lock and private page."""
+        self._check_active(request)
+        if request.num_draft:
+            raise InvalidRequestError("finish: rollback the pending draft first")
+        self._insert(request)
+        self._release(request, RequestState.FINISHED)
+        self._debug_check()
+
+    def abort(self, request: Request) -> None:
+        """Release the request without caching anything it computed."""
+        self._check_active(request)
+        self._release(request, RequestState.ABORTED)
+        self._debug_check()
+
+    def _insert(self, request: Request) -> None:
+        p = self.config.page_size
+        full_pages = request.num_committed // p
+        if full_pages <= request.tree_pages:
+            return
+        tokens = np.asarray(request.tokens[: full_pages * p], dtype=np.int64)
+        walk = self._tree.walk(tokens, start=request.terminal, max_pages=full_pages)
+        node = request.terminal
+        for child in walk.nodes:
+            node = child
+            if walk.last_pages < child.num_pages and child is walk.nodes[-1]:
+                node = self._tree.split(child, walk.last_pages)
+            self._adopt_tree_pages(request, node)
+        if node.end_page < full_pages:
+            node = self._add_leaf(request, node, tokens, full_pages)
+        request.tree_pages = full_pages
+        old_full, request.terminal = request.full_receipt, node
+        request.full_receipt = self._locks.lock_full(node)
+        if old_full is not None:
+            self._locks.unlock(old_full)
+        self._relock_swa(request)
+        self._tree.touch(node.path_from_root())
+
+    def _adopt_tree_pages(self, request: Request, node: Node) -> None:
+        """The tree already holds ``node``'s pages: drop the request's duplicates of them."""
+        lo, hi = node.start_page, node.end_page
+        self._full.free(request.vpages[lo:hi])
+        request.vpages[lo:hi] = node.vpages.tolist()
+        for k in range(max(lo, request.swa_base, hi - len(node.swa_pages)), hi):
+            i = k - request.swa_base
+            if i < len(request.swa_pages) and request.swa_owned[i]:
+                self._swa.free([request.swa_pages[i]])
+                request.swa_pages[i] = int(node.swa_pages[k - hi + len(node.swa_pages)])
+                request.swa_owned[i] = False
+
+    def _add_leaf(self, request: Request, parent: Node, tokens: np.ndarray, full_pages: int) -> Node:
+        p, lo = self.config.page_size, parent.end_page
+        live_lo = max(lo, request.swa_base)
+        i0, i1 = live_lo - request.swa_base, full_pages - request.swa_base
+        swa = np.zeros(0, dtype=np.int64)
+        if live_lo < full_pages:
+            swa = np.asarray(request.swa_pages[i0:i1], dtype=np.int64)
+            assert all(request.swa_owned[i0:i1]), "private pages beyond the tree must be owned"
+            request.swa_owned[i0:i1] = [False] * (i1 - i0)
+        vpages = np.asarray(request.vpages[lo:full_pages], dtype=np.int64)
+        return self._tree.add_leaf(parent, tokens[lo * p : full_pages * p], vpages, swa)
+
+    def _release(self, request: Request, state: RequestState) -> None:
+        for receipt in (request.swa_receipt, request.full_receipt):
+            if receipt is not None:
+                self._locks.unlock(receipt)
+        request.swa_receipt = request.full_receipt = None
+        self._full.free(request.vpages[request.tree_pages :])
+        self._swa.free([pg for pg, own in zip(request.swa_pages, request.swa_owned) if own])
+        request.swa_pages, request.swa_owned, request.vpages = [], [], request.vpages[: request.tree_pages]
+        request.state = state
+        del self._requests[request.id]
+        self._tree.touch(request.terminal.path_from_root())
+
+    # -- eviction and capacity ------------------------------------------------------------------
+
+    def evict(self, full_tokens: int = 0, swa_tokens: int = 0) -> EvictionReport:
+        """Free at least this many tokens' pages per pool, if that many are evictable.
+
+        Full eviction removes LRU unlocked leaves; SWA eviction tombstones the oldest
+        unprotected pages, heads of nodes before any branch's tail window.
+        """
+        if full_tokens < 0 or swa_tokens < 0:
+            raise InvalidRequestError("eviction sizes must be non-negative")
+        p = self.config.page_size
+        report = self._evict_full(-(-full_tokens // p)) + self._evict_swa(-(-swa_tokens // p))
+        self._debug_check()
+        return report
+
+    def _ensure_capacity(self, full_pages: int, swa_pages: int) -> None:
+        for pool, alloc, evictable, need in (
+            ("full", self._full, self._index.full_evictable, full_pages),
+            ("swa", self._swa, self._index.swa_evictable, swa_pages),
+        ):
+            if need > alloc.num_free + evictable:
+                raise CapacityError(pool, need, alloc.num_free + evictable)
+
+    def _make_room(self, full_pages: int, swa_pages: int) -> EvictionReport:
+        """Evict from each pool only what it lacks (the pool that failed is the one evicted)."""
+        report = self._evict_full(full_pages - self._full.num_free)
+        return report + self._evict_swa(swa_pages - self._swa.num_free)
+
+    def _evict_full(self, num_pages: int) -> EvictionReport:
+        freed = swa = removed = 0
+        while freed < num_pages:
+            leaf = self._index.oldest_full_leaf()
+            if leaf is None:
+                break
+            vpages, swa_pages = self._tree.remove_leaf(leaf)
+            self._full.free(vpages.tolist())
+            self._swa.free(swa_pages.tolist())
+            freed, swa, removed = freed + len(vpages), swa + len(swa_pages), removed + 1
+        report = EvictionReport(freed, swa, removed, 0)
+        self._evicted += report
+        return report
+
+    def _evict_swa(self, num_pages: int) -> EvictionReport:
+        freed = tombstoned = 0
+        while freed < num_pages:
+            node = self._index.oldest_swa()
+            if node is None:
+                break
+            tier0_end, tier1_end, live_from = self._index.tiers(node)
+            avail = (tier0_end if tier0_end > live_from else tier1_end) - live_from
+            pages = self._tree.tombstone(node, min(avail, num_pages - freed))
+            self._swa.free(pages.tolist())
+            freed, tombstoned = freed + len(pages), tombstoned + 1
+        report = EvictionReport(0, freed, 0, tombstoned)
+        self._evicted += report
+        return report
+
+    def rebalance(self, full_capacity: int | None = None, swa_capacity: int | None = None) -> EvictionReport:
+        """Move the live pool capacities (tokens) within their configured maxima at run time.
+
+        Shrinking evicts what no longer fits; raises `CapacityError` (changing nothing) when
+        locked or request-held pages exceed the new size.
+        """
+        p = self.config.page_size
+        targets = []
+        for name, alloc, value in (("full", self._full, full_capacity), ("swa", self._swa, swa_capacity)):
+            if value is None:
+                targets.append(alloc.capacity)
+                continue
+            if value <= 0 or value % p or value // p > alloc.max_pages:
+                raise ConfigError(f"{name} capacity must be a multiple of {p} in (0, {alloc.max_pages * p}]")
+            targets.append(value // p)
+        if targets[1] < self.config.window_pages + 1:
+            raise ConfigError("swa capacity must hold at least one request's window")
+        excess = [max(0, a.num_used - t) for a, t in zip((self._full, self._swa), targets)]
+        self._ensure_capacity(excess[0] + self._full.num_free, excess[1] + self._swa.num_free)
+        report = self._evict_full(excess[0]) + self._evict_swa(max(0, self._swa.num_used - targets[1]))
+        self._full.set_capacity(targets[0])
+        self._swa.set_capacity(targets[1])
+        self._debug_check()
+        return report
+
+    # -- reads and observability ---------------------------------------------------------------
+
+    def read_plan(self, request: Request) -> ReadPlan:
+        """Slots a forward at the request's current length reads: window SWA, every complete
+        compressed entry, and the in-flight ring rows of each stream."""
+        self._check_active(request)
+        return self._shadows.read_plan(
+            len(request.tokens), request.vpages, request.swa_base, request.swa_pages,
+            request.match.replay_start,
+        )
+
+    def stats(self) -> CacheStats:
+        idx = self._index
+        held_v = sum(len(r.vpages) - r.tree_pages for r in self._requests.values())
+        held_s = sum(sum(r.swa_owned) for r in self._requests.values())
+        return CacheStats(
+            page_size=self.config.page_size,
+            full=PoolStats(self._full.capacity, self._full.num_free, idx.full_evictable, idx.full_protected, held_v),
+            swa=PoolStats(self._swa.capacity, self._swa.num_free, idx.swa_evictable, idx.swa_protected, held_s),
+            num_nodes=len(idx.nodes),
+            num_requests=len(self._requests),
+            prompt_tokens=self._prompt_tokens,
+            hit_tokens=self._hit_tokens,
+            replayed_tokens=self._replayed_tokens,
+            replayed_hits=self._replayed_hits,
+            evicted=self._evicted,
+            min_hit_granularity=self.config.min_hit_granularity,
+        )
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        return tuple(self._requests.values())
+
+    # -- validation ----------------------------------------------------------------------------
+
+    def _check_active(self, request: Request) -> None:
+        if not isinstance(request, Request) or request.owner is not self:
+            raise InvalidRequestError("not a request of this cache")
+        if not request.is_active:
+            raise InvalidRequestError(f"request {request.id} is {request.state.value}")
+
+    @staticmethod
+    def _as_tokens(tokens: TokenInput, what: str) -> np.ndarray:
+        try:
+            arr = np.asarray(tokens)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"{what} must be a 1-D sequence of ints") from exc
+        if arr.ndim != 1 or len(arr) == 0:
+            raise InvalidRequestError(f"{what} must be a non-empty 1-D sequence of ints")
+        if arr.dtype.kind not in "iu":
+            raise InvalidRequestError(f"{what} must be integers, got dtype {arr.dtype}")
+        if arr.min() < 0:
+            raise InvalidRequestError(f"{what} must be non-negative token ids")
+        return arr.astype(np.int64, copy=False)
+
+    def _debug_check(self) -> None:
+        if self.config.debug:
+            self.check_invariants()
+
+    def check_invariants(self) -> None:
+        """Assert every structural invariant of tree, locks, LRU index, allocators and requests."""
+        from .invariants import check_cache
+
+        check_cache(self)

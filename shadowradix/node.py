@@ -1,0 +1,105 @@
+"""A radix-tree node: a page-aligned run of tokens, its virtual pages and its SWA shadow.
+
+Positions inside a node (``[start, end)``, raw tokens) map page by page to virtual pages. SWA is
+live on a *suffix* of the node's pages (windows are suffixes, and eviction takes the oldest
+pages first), so the SWA shadow is stored as that suffix only::
+
+    pages      [0 .................................... n)
+    swa        [ tombstoned      | live suffix         )
+                                 ^ live_from = n - len(swa_pages)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+_ids = itertools.count()
+
+EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class Node:
+    __slots__ = (
+        "id",
+        "parent",
+        "children",
+        "key",
+        "tokens",
+        "start_page",
+        "vpages",
+        "swa_pages",
+        "full_lock_ref",
+        "swa_locks",
+        "last_access",
+        "acct",
+        "lru_keys",
+    )
+
+    def __init__(
+        self,
+        parent: Node | None,
+        tokens: np.ndarray,
+        start_page: int,
+        vpages: np.ndarray,
+        swa_pages: np.ndarray,
+        key: tuple[int, ...],
+    ) -> None:
+        self.id = next(_ids)
+        self.parent = parent
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.key = key
+        self.tokens = tokens
+        self.start_page = start_page
+        self.vpages = vpages
+        self.swa_pages = swa_pages
+        self.full_lock_ref = 0
+        #: absolute page where a locker's window starts -> number of lockers
+        self.swa_locks: dict[int, int] = {}
+        self.last_access = 0
+        #: (full evictable, full protected, swa evictable, swa protected) pages, as indexed
+        self.acct = (0, 0, 0, 0)
+        self.lru_keys: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.vpages)
+
+    @property
+    def end_page(self) -> int:
+        return self.start_page + len(self.vpages)
+
+    @property
+    def live_from(self) -> int:
+        """Local index of the first page whose SWA is live (``num_pages`` if none)."""
+        return len(self.vpages) - len(self.swa_pages)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def swa_lock_ref(self) -> int:
+        return sum(self.swa_locks.values())
+
+    def protect_from(self) -> int:
+        """Local index from which SWA pages are protected by a locker's window."""
+        if not self.swa_locks:
+            return len(self.vpages)
+        first = min(self.swa_locks) - self.start_page
+        return min(max(first, 0), len(self.vpages))
+
+    def path_from_root(self) -> list[Node]:
+        path = []
+        node: Node | None = self
+        while node is not None and node.parent is not None:
+            path.append(node)
+            node = node.parent
+        return path[::-1]
+
+    def __repr__(self) -> str:
+        return (
+            f"Node(id={self.id}, pages=[{self.start_page},{self.end_page}), "
+            f"live_from={self.live_from}, full_lock={self.full_lock_ref}, swa_locks={self.swa_locks})"
+        )

@@ -1,0 +1,152 @@
+"""Radix tree over virtual full-token slots, page-aligned.
+
+Every node holds whole pages; a child is keyed by the tokens of its first page. The tree only
+knows page ids; the pools' allocators own them, and the cache moves ids between the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .lru import LruIndex
+from .node import EMPTY, Node
+
+
+@dataclass(frozen=True)
+class Walk:
+    """The deepest page-aligned match of a token sequence: ``nodes`` root-down, the last one
+    matched on its first ``last_pages`` pages (all of them unless the match ends inside it)."""
+
+    nodes: tuple[Node, ...]
+    last_pages: int
+
+    @property
+    def num_pages(self) -> int:
+        if not self.nodes:
+            return 0
+        return self.nodes[-1].start_page + self.last_pages
+
+
+class RadixTree:
+    def __init__(self, page_size: int, index: LruIndex) -> None:
+        self.page_size = page_size
+        self.index = index
+        self.root = Node(None, EMPTY, 0, EMPTY, EMPTY, ())
+        #: Bumped by every change that can alter a match result.
+        self.version = 0
+        self.clock = 0
+
+    def key_at(self, tokens: np.ndarray, page: int) -> tuple[int, ...]:
+        p = self.page_size
+        return tuple(tokens[page * p : (page + 1) * p].tolist())
+
+    def walk(self, tokens: np.ndarray, start: Node | None = None, max_pages: int | None = None) -> Walk:
+        """Longest page-aligned match of ``tokens`` (absolute positions) below ``start``."""
+        p = self.page_size
+        node = start or self.root
+        page = node.end_page
+        limit = len(tokens) // p if max_pages is None else max_pages
+        nodes: list[Node] = []
+        last_pages = 0
+        while page < limit:
+            child = node.children.get(self.key_at(tokens, page))
+            if child is None:
+                break
+            n = min(child.num_pages, limit - page)
+            same = child.tokens[: n * p] == tokens[page * p : (page + n) * p]
+            common = n if same.all() else int(np.argmin(same)) // p
+            nodes.append(child)
+            last_pages = common
+            page += common
+            if common < child.num_pages:
+                break
+            node = child
+        return Walk(tuple(nodes), last_pages)
+
+    def touch(self, nodes: tuple[Node, ...] | list[Node]) -> None:
+        self.clock += 1
+        for n in nodes:
+            n.last_access = self.clock
+            self.index.update(n)
+
+    def split(self, node: Node, num_pages: int) -> Node:
+        """Cut ``node`` after ``num_pages`` pages; returns the new upper node.
+
+        The upper node copies both counters (every holder of ``node`` also holds it; SWA lockers
+        only if their window reaches into it) and the access time.
+        """
+        assert 0 < num_pages < node.num_pages
+        p, live_from = self.page_size, node.live_from
+        upper = Node(
+            node.parent,
+            node.tokens[: num_pages * p],
+            node.start_page,
+            node.vpages[:num_pages],
+            node.swa_pages[: max(num_pages - live_from, 0)],
+            node.key,
+        )
+        upper.full_lock_ref = node.full_lock_ref
+        upper.swa_locks = {w: c for w, c in node.swa_locks.items() if w < upper.end_page}
+        upper.last_access = node.last_access
+        node.parent.children[node.key] = upper  # type: ignore[union-attr]
+        node.tokens = node.tokens[num_pages * p :]
+        node.vpages = node.vpages[num_pages:]
+        node.swa_pages = node.swa_pages[max(num_pages - live_from, 0) :]
+        node.start_page += num_pages
+        node.key = tuple(node.tokens[:p].tolist())
+        node.parent = upper
+        upper.children[node.key] = node
+        self.version += 1
+        self.index.update(upper)
+        self.index.update(node)
+        return upper
+
+    def add_leaf(self, parent: Node, tokens: np.ndarray, vpages: np.ndarray, swa_pages: np.ndarray) -> Node:
+        key = tuple(tokens[: self.page_size].tolist())
+        assert key not in parent.children
+        leaf = Node(parent, tokens, parent.end_page, vpages, swa_pages, key)
+        leaf.last_access = self.clock
+        parent.children[key] = leaf
+        self.version += 1
+        self.index.update(leaf)
+        self.index.update(parent)
+        return leaf
+
+    def remove_leaf(self, leaf: Node) -> tuple[np.ndarray, np.ndarray]:
+        """Detach an unlocked leaf; returns its (virtual pages, live SWA pages) to free."""
+        assert not leaf.children and not leaf.full_lock_ref and leaf.parent is not None
+        parent = leaf.parent
+        del parent.children[leaf.key]
+        self.index.remove(leaf)
+        self.index.update(parent)
+        self.version += 1
+        return leaf.vpages, leaf.swa_pages
+
+    def tombstone(self, node: Node, num_pages: int) -> np.ndarray:
+        """Drop the SWA of the ``num_pages`` oldest live pages; the node stays matchable."""
+        freed, node.swa_pages = node.swa_pages[:num_pages], node.swa_pages[num_pages:]
+        self.version += 1
+        self.index.update(node)
+        return freed
+
+    def nodes(self) -> list[Node]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def check_invariants(self) -> None:
+        p = self.page_size
+        for n in self.nodes():
+            parent = n.parent
+            assert parent is not None and parent.children.get(n.key) is n, f"{n}: detached"
+            assert n.num_pages > 0 and len(n.tokens) == n.num_pages * p, f"{n}: ragged"
+            assert n.start_page == parent.end_page, f"{n}: not contiguous with its parent"
+            assert n.key == tuple(n.tokens[:p].tolist()), f"{n}: key is not its first page"
+            assert len(n.swa_pages) <= n.num_pages, f"{n}: more SWA than pages"
+            if not n.children and not n.full_lock_ref:
+                assert n.lru_keys and len(n.lru_keys[0]) == 2, f"{n}: evictable leaf not indexed"

@@ -1,0 +1,97 @@
+"""Per-request state: its token list, page tables and lock receipts.
+
+A request's tokens split into a tree-owned prefix (full-locked) and a private tail::
+
+    positions [0 ........ tree_pages*P) [tree_pages*P ......... len)
+    vpages     tree (locked path)        private (freed on abort / deduplicated on insert)
+    swa        [swa_base ............................................ ) window pages only,
+                each either tree-owned (SWA-locked) or private (``swa_owned``)
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import numpy as np
+
+from .locks import LockReceipt
+from .node import Node
+from .results import MatchResult
+
+_ids = itertools.count()
+
+
+class RequestState(enum.Enum):
+    ACTIVE = "active"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class Request:
+    __slots__ = (
+        "id",
+        "owner",
+        "prompt",
+        "tokens",
+        "num_draft",
+        "vpages",
+        "tree_pages",
+        "terminal",
+        "full_receipt",
+        "swa_base",
+        "swa_pages",
+        "swa_owned",
+        "swa_receipt",
+        "match",
+        "state",
+        "replay_allocation",
+        "released_at",
+    )
+
+    def __init__(self, owner: object, prompt: np.ndarray, match: MatchResult) -> None:
+        self.id = next(_ids)
+        self.owner = owner
+        self.prompt = prompt
+        self.tokens: list[int] = prompt[: match.prefix_len].tolist()
+        self.num_draft = 0
+        self.vpages: list[int] = []
+        self.tree_pages = 0
+        self.terminal: Node = match.node
+        self.full_receipt: LockReceipt | None = None
+        self.swa_base = 0
+        self.swa_pages: list[int] = []
+        self.swa_owned: list[bool] = []
+        self.swa_receipt: LockReceipt | None = None
+        self.match = match
+        self.state = RequestState.ACTIVE
+        #: the window rebuild a replayed hit must run before its first extend
+        self.replay_allocation: object | None = None
+        #: length at which the window was last trimmed
+        self.released_at = match.prefix_len
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_committed(self) -> int:
+        return len(self.tokens) - self.num_draft
+
+    @property
+    def prompt_remaining(self) -> np.ndarray:
+        """Prompt tokens not yet extended (empty once the prompt is consumed)."""
+        return self.prompt[len(self.tokens) :] if len(self.tokens) < len(self.prompt) else self.prompt[:0]
+
+    @property
+    def is_active(self) -> bool:
+        return self.state is RequestState.ACTIVE
+
+    def swa_held_pages(self) -> int:
+        return len(self.swa_pages)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(id={self.id}, len={self.length}, draft={self.num_draft}, "
+            f"tree_pages={self.tree_pages}, swa=[{self.swa_base}+{len(self.swa_pages)}], {self.state.value})"
+        )

@@ -1,0 +1,178 @@
+"""Typed records the cache returns. Slot arrays are int64 numpy arrays, one entry per row."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .node import Node
+
+
+class WindowSource(enum.Enum):
+    """Where the SWA window (and in-flight rows) before a match's end comes from."""
+
+    #: The match is empty: nothing to attend to.
+    NONE = "none"
+    #: The last ``window`` tokens before the end are live SWA in the tree.
+    LIVE = "live"
+    #: Bounded replay recomputes them (an approximation; counted as misses).
+    REPLAY = "replay"
+
+
+@dataclass(frozen=True, eq=False)
+class MatchResult:
+    """Outcome of `ShadowRadixCache.match_prefix`.
+
+    ``cached_len``: the page-aligned prefix whose compressed KV the tree holds.
+    ``prefix_len``: where the request resumes (``cached_len`` with replay, else the deepest
+    boundary whose window is live). ``hit_len``: tokens whose computation is skipped; replayed
+    tokens are not hits. ``replay_start``: first replayed position (``None`` without replay).
+    """
+
+    query_len: int
+    cached_len: int
+    prefix_len: int
+    hit_len: int
+    window: WindowSource
+    replay_start: int | None
+    node: Node
+    node_pages: int
+    version: int
+    tokens: np.ndarray = field(repr=False)
+
+    @property
+    def replayed_len(self) -> int:
+        return 0 if self.replay_start is None else self.prefix_len - self.replay_start
+
+    @property
+    def is_replay(self) -> bool:
+        return self.window is WindowSource.REPLAY
+
+
+@dataclass(frozen=True)
+class StreamWrites:
+    """One compressed stream's part of an `Allocation` (all its layers share these slots).
+
+    ``ring_positions`` / ``ring_rows``: in-flight rows to store (only those a later step or a
+    match can still need, so no two collide). ``carry_positions`` / ``carry_rows`` /
+    ``carry_request``: in-flight rows from earlier steps that the groups completing now read.
+    ``entry_groups`` / ``entry_slots`` / ``entry_request``: compressed entries completed now
+    (group index within its request, pool slot, index into ``Allocation.requests``).
+    """
+
+    ratio: int
+    ring_positions: np.ndarray
+    ring_rows: np.ndarray
+    carry_request: np.ndarray
+    carry_positions: np.ndarray
+    carry_rows: np.ndarray
+    entry_request: np.ndarray
+    entry_groups: np.ndarray
+    entry_slots: np.ndarray
+
+
+@dataclass(frozen=True)
+class EvictionReport:
+    full_pages: int = 0
+    swa_pages: int = 0
+    nodes_removed: int = 0
+    nodes_tombstoned: int = 0
+
+    def __add__(self, other: EvictionReport) -> EvictionReport:
+        return EvictionReport(
+            self.full_pages + other.full_pages,
+            self.swa_pages + other.swa_pages,
+            self.nodes_removed + other.nodes_removed,
+            self.nodes_tombstoned + other.nodes_tombstoned,
+        )
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What each pool must write for the new tokens of one step (one or many requests).
+
+    Per token (concatenated over requests, ``token_offsets[i]:token_offsets[i+1]`` for request
+    ``i``): ``positions``, ``virtual_slots``, ``swa_slots``. Per stream: a `StreamWrites`.
+    ``replay`` marks the window rebuild of a replayed hit: it writes SWA and rings only.
+    """
+
+    request_ids: tuple[int, ...]
+    token_offsets: np.ndarray
+    positions: np.ndarray
+    virtual_slots: np.ndarray
+    swa_slots: np.ndarray
+    streams: tuple[StreamWrites, ...]
+    evicted: EvictionReport
+    replay: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+    def stream(self, ratio: int) -> StreamWrites:
+        for s in self.streams:
+            if s.ratio == ratio:
+                return s
+        raise KeyError(ratio)
+
+
+@dataclass(frozen=True)
+class StreamReads:
+    ratio: int
+    #: slots of every complete entry ``0 .. length // ratio - 1``
+    entry_slots: np.ndarray
+    #: positions and ring rows of the in-flight state at ``length``
+    inflight_positions: np.ndarray
+    inflight_rows: np.ndarray
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """Every physical slot a forward at ``length`` reads for one request."""
+
+    length: int
+    swa_positions: np.ndarray
+    swa_slots: np.ndarray
+    streams: tuple[StreamReads, ...]
+    #: positions whose window KV came from bounded replay (never bit-identical)
+    replay_start: int | None
+
+    def stream(self, ratio: int) -> StreamReads:
+        for s in self.streams:
+            if s.ratio == ratio:
+                return s
+        raise KeyError(ratio)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    capacity_pages: int
+    free_pages: int
+    evictable_pages: int
+    protected_pages: int
+    held_pages: int
+
+    @property
+    def used_fraction(self) -> float:
+        return 1.0 - self.free_pages / self.capacity_pages
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    page_size: int
+    full: PoolStats
+    swa: PoolStats
+    num_nodes: int
+    num_requests: int
+    prompt_tokens: int
+    hit_tokens: int
+    replayed_tokens: int
+    replayed_hits: int
+    evicted: EvictionReport
+    min_hit_granularity: int
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
