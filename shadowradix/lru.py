@@ -44,27 +44,29 @@ class LruIndex:
 
     def update(self, node: Node) -> None:
         """Re-derive the node's keys and page counts after any change to it."""
-        self.remove(node)
         if node.parent is None:
             return
-        self.nodes[node.id] = node
         tail, protect, live_from = self.tiers(node)
         n, live = node.num_pages, len(node.swa_pages)
         full_e, full_p = (0, n) if node.full_lock_ref else (n, 0)
         swa_e = protect - live_from
-        node.acct = (full_e, full_p, swa_e, live - swa_e)
+        acct = (full_e, full_p, swa_e, live - swa_e)
         keys: list[tuple[int, ...]] = []
         if not node.full_lock_ref and not node.children:
             keys.append((node.last_access, node.id))
-            self.full.add(keys[-1])
         if tail > live_from:
             keys.append((0, node.last_access, node.id))
-            self.swa.add(keys[-1])
         if protect > tail:
             keys.append((1, node.last_access, node.id))
-            self.swa.add(keys[-1])
-        node.lru_keys = tuple(keys)
-        self._add_acct(node.acct, 1)
+        new_keys = tuple(keys)
+        if new_keys == node.lru_keys and acct == node.acct and node.id in self.nodes:
+            return
+        self.remove(node)
+        self.nodes[node.id] = node
+        for key in new_keys:
+            (self.full if len(key) == 2 else self.swa).add(key)
+        node.lru_keys, node.acct = new_keys, acct
+        self._add_acct(acct, 1)
 
     def remove(self, node: Node) -> None:
         for key in node.lru_keys:

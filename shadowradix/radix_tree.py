@@ -131,6 +131,13 @@ class RadixTree:
         self.index.update(node)
         return freed
 
+    def revive(self, node: Node, swa_pages: np.ndarray) -> None:
+        """Prepend live SWA pages just before the node's live suffix (exact recomputation)."""
+        assert len(node.swa_pages) + len(swa_pages) <= node.num_pages
+        node.swa_pages = np.concatenate((swa_pages, node.swa_pages))
+        self.version += 1
+        self.index.update(node)
+
     def nodes(self) -> list[Node]:
         out, stack = [], list(self.root.children.values())
         while stack:

@@ -33,7 +33,8 @@ class Request:
         "id",
         "owner",
         "prompt",
-        "tokens",
+        "_buf",
+        "_len",
         "num_draft",
         "vpages",
         "tree_pages",
@@ -53,7 +54,9 @@ class Request:
         self.id = next(_ids)
         self.owner = owner
         self.prompt = prompt
-        self.tokens: list[int] = prompt[: match.prefix_len].tolist()
+        self._buf = np.empty(max(2 * len(prompt), 64), dtype=np.int64)
+        self._buf[: match.prefix_len] = prompt[: match.prefix_len]
+        self._len = match.prefix_len
         self.num_draft = 0
         self.vpages: list[int] = []
         self.tree_pages = 0
@@ -72,16 +75,46 @@ class Request:
 
     @property
     def length(self) -> int:
-        return len(self.tokens)
+        return self._len
+
+    @property
+    def tokens(self) -> list[int]:
+        """All tokens (committed, then draft) as a list: a copy, O(length)."""
+        return self._buf[: self._len].tolist()
+
+    def token_array(self) -> np.ndarray:
+        """All tokens as a read-only view (valid until the next change to the request)."""
+        view = self._buf[: self._len]
+        view.flags.writeable = False
+        return view
+
+    def _append(self, tokens: np.ndarray | list[int]) -> None:
+        end = self._len + len(tokens)
+        if end > len(self._buf):
+            grown = np.empty(max(2 * len(self._buf), end), dtype=np.int64)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[self._len : end] = tokens
+        self._len = end
+
+    def _append_one(self, token: int) -> None:
+        if self._len == len(self._buf):
+            self._append([token])
+            return
+        self._buf[self._len] = token
+        self._len += 1
+
+    def _truncate(self, length: int) -> None:
+        self._len = length
 
     @property
     def num_committed(self) -> int:
-        return len(self.tokens) - self.num_draft
+        return self._len - self.num_draft
 
     @property
     def prompt_remaining(self) -> np.ndarray:
         """Prompt tokens not yet extended (empty once the prompt is consumed)."""
-        return self.prompt[len(self.tokens) :] if len(self.tokens) < len(self.prompt) else self.prompt[:0]
+        return self.prompt[self._len :] if self._len < len(self.prompt) else self.prompt[:0]
 
     @property
     def is_active(self) -> bool:

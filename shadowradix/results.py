@@ -55,14 +55,15 @@ class MatchResult:
 class StreamWrites:
     """One compressed stream's part of an `Allocation` (all its layers share these slots).
 
-    ``ring_positions`` / ``ring_rows``: in-flight rows to store (only those a later step or a
-    match can still need, so no two collide). ``carry_positions`` / ``carry_rows`` /
+    ``ring_request`` / ``ring_positions`` / ``ring_rows``: in-flight rows to store (only those a
+    later step or a match can still need, so no two collide). ``carry_positions`` / ``carry_rows`` /
     ``carry_request``: in-flight rows from earlier steps that the groups completing now read.
     ``entry_groups`` / ``entry_slots`` / ``entry_request``: compressed entries completed now
     (group index within its request, pool slot, index into ``Allocation.requests``).
     """
 
     ratio: int
+    ring_request: np.ndarray
     ring_positions: np.ndarray
     ring_rows: np.ndarray
     carry_request: np.ndarray

@@ -1,0 +1,20 @@
+"""Test harness for embedders: strategies, the fingerprint oracle and the stateful machine.
+
+Needs the ``dev`` extra (hypothesis)."""
+
+from __future__ import annotations
+
+from .machines import CacheMachine
+from .oracle import FingerprintOracle, OracleViolation, prefix_hashes
+from .snapshot import snapshot
+from .strategies import cache_configs, token_runs
+
+__all__ = [
+    "CacheMachine",
+    "FingerprintOracle",
+    "OracleViolation",
+    "cache_configs",
+    "prefix_hashes",
+    "snapshot",
+    "token_runs",
+]

@@ -1,0 +1,108 @@
+"""Fingerprint oracle: simulated physical pools that remember what each slot should hold.
+
+Every slot an `Allocation` hands out is "written" with a fingerprint of what a from-scratch
+computation would put there: (pool, hash of the token prefix up to the position). Every read
+through a `ReadPlan`, and every in-flight row a completing group consumes, must find exactly
+that fingerprint. Cache reuse is then indistinguishable from recomputation, ring rows included.
+Bounded-replay writes are marked approximate and may only be read by the request that replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import CacheConfig
+from ..results import Allocation, ReadPlan
+
+
+class OracleViolation(AssertionError):
+    """A slot holds something recomputation would not have produced."""
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    prefix_hash: int
+    approx_writer: int | None = None  # request id of a bounded-replay write
+
+
+def prefix_hashes(tokens: list[int]) -> list[int]:
+    """``h[i]`` fingerprints ``tokens[: i + 1]`` (rolling, so O(len))."""
+    out, h = [], 0x5EED
+    for t in tokens:
+        h = hash((h, t))
+        out.append(h)
+    return out
+
+
+class FingerprintOracle:
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.swa: dict[int, Fingerprint] = {}
+        self.rings: dict[int, dict[int, Fingerprint]] = {r: {} for r in config.ratios}
+        self.entries: dict[int, dict[int, Fingerprint]] = {r: {} for r in config.ratios}
+        self.reads = 0
+
+    def write(self, allocation: Allocation, tokens_by_request: dict[int, list[int]]) -> None:
+        """Apply an allocation; ``tokens_by_request`` holds each request's full token list."""
+        hashes = {rid: prefix_hashes(tokens_by_request[rid]) for rid in allocation.request_ids}
+        offsets = allocation.token_offsets
+        approx = allocation.replay
+        for i, rid in enumerate(allocation.request_ids):
+            h = hashes[rid]
+            sl = slice(offsets[i], offsets[i + 1])
+            for pos, slot in zip(allocation.positions[sl].tolist(), allocation.swa_slots[sl].tolist()):
+                self.swa[slot] = Fingerprint(h[pos], rid if approx else None)
+        for s in allocation.streams:
+            self._write_stream(s, allocation, hashes, approx)
+
+    def _write_stream(self, s, allocation: Allocation, hashes: dict[int, list[int]], approx: bool) -> None:
+        rids = allocation.request_ids
+        ring = self.rings[s.ratio]
+        # 1. groups completing now read carry rows written by earlier steps
+        for req, pos, row in zip(s.carry_request.tolist(), s.carry_positions.tolist(), s.carry_rows.tolist()):
+            self._expect(ring.get(row), hashes[rids[req]][pos], rids[req], f"C{s.ratio} carry row {row} (pos {pos})")
+        self._check_group_inputs(s, allocation)
+        # 2. store the in-flight rows worth keeping: no two may collide within one step
+        if len(set(s.ring_rows.tolist())) != len(s.ring_rows):
+            raise OracleViolation(f"C{s.ratio}: two positions write one ring row in the same step")
+        for req, pos, row in zip(s.ring_request.tolist(), s.ring_positions.tolist(), s.ring_rows.tolist()):
+            ring[row] = Fingerprint(hashes[rids[req]][pos], rids[req] if approx else None)
+        # 3. completed entries
+        r = s.ratio
+        for req, g, slot in zip(s.entry_request.tolist(), s.entry_groups.tolist(), s.entry_slots.tolist()):
+            self.entries[r][slot] = Fingerprint(hashes[rids[req]][(g + 1) * r - 1])
+
+    def _check_group_inputs(self, s, allocation: Allocation) -> None:
+        """Each completed group's rows are either carried in or computed in this step."""
+        stream = self.config.stream(s.ratio)
+        r = s.ratio
+        carried: dict[int, set[int]] = {}
+        for req, pos in zip(s.carry_request.tolist(), s.carry_positions.tolist()):
+            carried.setdefault(req, set()).add(pos)
+        offsets = allocation.token_offsets
+        for req, g in zip(s.entry_request.tolist(), s.entry_groups.tolist()):
+            first_new = int(allocation.positions[offsets[req]])
+            lo = max(0, (g - 1) * r if stream.overlap else g * r)
+            needed = set(range(lo, min(first_new, (g + 1) * r)))
+            if not needed <= carried.get(req, set()):
+                raise OracleViolation(f"C{r} group {g}: in-flight rows {sorted(needed)} not carried in")
+
+    def check_reads(self, plan: ReadPlan, tokens: list[int], request_id: int) -> None:
+        """Every slot a forward at ``plan.length`` would read holds recomputation's value."""
+        h = prefix_hashes(tokens[: plan.length])
+        for pos, slot in zip(plan.swa_positions.tolist(), plan.swa_slots.tolist()):
+            self._expect(self.swa.get(slot), h[pos], request_id, f"SWA slot {slot} (pos {pos})")
+        for s in plan.streams:
+            r = s.ratio
+            for g, slot in enumerate(s.entry_slots.tolist()):
+                self._expect(self.entries[r].get(slot), h[(g + 1) * r - 1], request_id, f"C{r} entry {g} slot {slot}")
+            for pos, row in zip(s.inflight_positions.tolist(), s.inflight_rows.tolist()):
+                self._expect(self.rings[r].get(row), h[pos], request_id, f"C{r} ring row {row} (pos {pos})")
+        self.reads += 1
+
+    @staticmethod
+    def _expect(found: Fingerprint | None, expected: int, reader: int, what: str) -> None:
+        if found is None or found.prefix_hash != expected:
+            raise OracleViolation(f"{what}: holds {found}, recomputation gives {expected}")
+        if found.approx_writer is not None and found.approx_writer != reader:
+            raise OracleViolation(f"{what}: request {reader} reads request {found.approx_writer}'s replay")

@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    max_examples=40,
+    stateful_step_count=40,
+    derandomize=True,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough",
+    max_examples=int(os.environ.get("SHADOWRADIX_THOROUGH_EXAMPLES", "10000")),
+    stateful_step_count=100,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=list(HealthCheck),
+)
+settings.register_profile("dev", max_examples=20, stateful_step_count=30, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
