@@ -283,23 +283,26 @@ class ShadowRadixCache:
         return num_v, num_s
 
     def _release_window(self, request: Request, computed_len: int) -> None:
-        """Drop window pages no step after ``computed_len`` tokens can read.
+        """Drop the window pages no step after ``computed_len`` tokens can read, and re-lock."""
+        if self._trim_window(request, computed_len):
+            self._relock_swa(request)
 
-        Kept: pages intersecting ``[F - window, ∞)`` with ``F`` the last page boundary at or
-        before ``computed_len``, so that inserting the request later leaves the window before
-        ``F`` live (a full aligned hit). Tree-owned pages are only unlocked, not freed.
-        """
+    def _trim_window(self, request: Request, computed_len: int) -> bool:
+        """Forget window pages before ``F - window`` (``F``: the last page boundary at or before
+        ``computed_len``); free the private ones. Keeping ``[F - window, F)`` means inserting
+        the request later leaves a live window before ``F`` (a full aligned hit). Returns
+        whether any page was dropped (the SWA lock then needs re-taking)."""
         p = self.config.page_size
         request.released_at = max(request.released_at, computed_len)
         new_base = max(0, request.released_at // p * p - self.config.window) // p
         drop = new_base - request.swa_base
         if drop <= 0:
-            return
+            return False
         owned = [pg for pg, own in zip(request.swa_pages[:drop], request.swa_owned[:drop]) if own]
         self._swa.free(owned)
         del request.swa_pages[:drop], request.swa_owned[:drop]
         request.swa_base = new_base
-        self._relock_swa(request)
+        return True
 
     def _relock_swa(self, request: Request) -> None:
         """Re-take the SWA lock so it covers exactly the tree pages in the request's window."""
@@ -348,8 +351,8 @@ class ShadowRadixCache:
         (they stay in the tree as evictable SWA, tombstoned only by SWA eviction).
         """
         self._check_active(request)
-        self._insert(request)
-        self._release_window(request, request.num_committed)
+        if self._insert(request) | self._trim_window(request, request.num_committed):
+            self._relock_swa(request)
         self._debug_check()
 
     def finish(self, request: Request) -> None:
@@ -357,7 +360,7 @@ class ShadowRadixCache:
         self._check_active(request)
         if request.num_draft:
             raise InvalidRequestError("finish: rollback the pending draft first")
-        self._insert(request)
+        self._insert(request)  # the SWA lock is dropped right after: no need to re-take it
         self._release(request, RequestState.FINISHED)
         self._debug_check()
 
@@ -367,11 +370,13 @@ class ShadowRadixCache:
         self._release(request, RequestState.ABORTED)
         self._debug_check()
 
-    def _insert(self, request: Request) -> None:
+    def _insert(self, request: Request) -> bool:
+        """Move the committed full pages into the tree and re-take the FULL lock. Returns
+        whether anything was inserted (the SWA lock must then be re-taken by the caller)."""
         p = self.config.page_size
         full_pages = request.num_committed // p
         if full_pages <= request.tree_pages:
-            return
+            return False
         tokens = request.token_array()[: full_pages * p]
         walk = self._tree.walk(tokens, start=request.terminal, max_pages=full_pages)
         node = request.terminal
@@ -387,7 +392,7 @@ class ShadowRadixCache:
         request.full_receipt = self._locks.lock_full(node)
         if old_full is not None:
             self._locks.unlock(old_full)
-        self._relock_swa(request)
+        return True
 
     def _adopt_tree_pages(self, request: Request, node: Node) -> None:
         """The tree already holds ``node``'s pages: drop the request's duplicates of them.

@@ -56,8 +56,10 @@ class LockTable:
 
     def lock_swa(self, node: Node, window_page: int) -> LockReceipt:
         for n in self._swa_path(node, window_page):
-            n.swa_locks[window_page] = n.swa_locks.get(window_page, 0) + 1
-            self._on_change(n)
+            count = n.swa_locks.get(window_page, 0)
+            n.swa_locks[window_page] = count + 1
+            if not count and window_page == min(n.swa_locks):
+                self._on_change(n)  # the protected range grew
         return self._register(LockReceipt(next(self._ids), node, Pool.SWA, window_page))
 
     def unlock(self, receipt: LockReceipt) -> None:
@@ -71,13 +73,15 @@ class LockTable:
                     self._on_change(n)
                 n = n.parent
             return
-        for n in self._swa_path(receipt.node, receipt.window_page):
-            count = n.swa_locks[receipt.window_page] - 1
+        w = receipt.window_page
+        for n in self._swa_path(receipt.node, w):
+            count = n.swa_locks[w] - 1
             if count:
-                n.swa_locks[receipt.window_page] = count
-            else:
-                del n.swa_locks[receipt.window_page]
-            self._on_change(n)
+                n.swa_locks[w] = count
+                continue
+            del n.swa_locks[w]
+            if not n.swa_locks or w < min(n.swa_locks):
+                self._on_change(n)  # the protected range shrank
 
     def is_live(self, receipt: LockReceipt) -> bool:
         return self._live.get(receipt.id) is receipt

@@ -48,6 +48,9 @@ class Run:
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Concatenated ``arange(s, s + n)`` for each pair, and the owning index of each item."""
+    if len(lengths) == 1:
+        n = int(lengths[0])
+        return np.arange(starts[0], starts[0] + n, dtype=I64), np.zeros(n, dtype=I64)
     total = int(lengths.sum())
     owner = np.repeat(np.arange(len(lengths), dtype=I64), lengths)
     offsets = np.cumsum(lengths) - lengths
@@ -64,21 +67,44 @@ def first_inflight(length: np.ndarray | int, stream: StreamSpec) -> np.ndarray |
 
 
 def compressed_slots(vslots: np.ndarray, ends: np.ndarray, stream: StreamSpec) -> np.ndarray:
-    """Slots of the groups whose last token sits at ``ends`` (virtual slots ``vslots``)."""
+    """Slots of the groups whose last token sits at ``ends`` (virtual slots ``vslots``).
+
+    Sizes are powers of two, so ``// p`` and ``% p`` are shifts and masks."""
     p = stream.page_size
-    return vslots // p * stream.slots_per_page + ends % p // stream.ratio
+    return (vslots >> _log2(p)) * stream.slots_per_page + ((ends & (p - 1)) >> _log2(stream.ratio))
 
 
 def ring_rows(swa_pages: np.ndarray, positions: np.ndarray, stream: StreamSpec) -> np.ndarray:
-    return swa_pages * stream.ring_len + positions % stream.ring_len
+    return swa_pages * stream.ring_len + (positions & (stream.ring_len - 1))
+
+
+def _log2(x: int) -> int:
+    return x.bit_length() - 1
+
+
+@dataclass(frozen=True)
+class _Step:
+    """Per-token arrays of one step (concatenated over requests) and per-run bounds."""
+
+    request_ids: tuple[int, ...]
+    offsets: np.ndarray
+    pos: np.ndarray
+    owner: np.ndarray
+    vslots: np.ndarray
+    spages: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    swa_page_of: Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 class Shadows:
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
         self.page_size = config.page_size
+        self._shift = _log2(config.page_size)
         self._ring_len_col = np.array([[s.ring_len] for s in config.streams], dtype=I64)
-        self._ratio_col = np.array([[s.ratio] for s in config.streams], dtype=I64)
+        self._ring_mask_col = self._ring_len_col - 1
+        self._ratio_mask_col = np.array([[s.ratio - 1] for s in config.streams], dtype=I64)
 
     def allocation(
         self, request_ids: tuple[int, ...], runs: list[Run], evicted: EvictionReport, replay: bool = False
@@ -92,15 +118,18 @@ class Shadows:
         vflat, vbase = self._flatten([r.vpages for r in runs], starts // p)
         swa_first = np.fromiter((r.swa_first for r in runs), I64, len(runs))
         sflat, sbase = self._flatten([r.swa_pages for r in runs], swa_first)
-        page = pos // p
-        vslots = vflat[vbase[owner] + page] * p + pos % p
+        page = pos >> self._shift
+        vslots = vflat[vbase[owner] + page] * p + (pos & (p - 1))
         spages = sflat[sbase[owner] + page]
 
         def swa_page_of(req: np.ndarray, positions: np.ndarray) -> np.ndarray:
-            return sflat[sbase[req] + positions // p]
+            return sflat[sbase[req] + (positions >> self._shift)]
 
+        # Keep only ring rows still needed later: the last ring_len of each page (or of the run).
+        keep = pos >= np.minimum((page + 1) * p, ends[owner]) - self._ring_len_col
         offsets = np.concatenate(([0], np.cumsum(lengths))).astype(I64)
-        return self._build(request_ids, offsets, pos, owner, ends[owner], vslots, spages, starts, swa_page_of, evicted, replay)
+        step = _Step(request_ids, offsets, pos, owner, vslots, spages, starts, ends, swa_page_of)
+        return self._assemble(step, keep, evicted, replay)
 
     def decode_allocation(
         self,
@@ -110,49 +139,24 @@ class Shadows:
         spages: list[int],
         evicted: EvictionReport,
     ) -> Allocation:
-        """Batched decode: exactly one new token per request; all streams computed together."""
+        """Batched decode: exactly one new token per request (every ring row is kept)."""
         p, n = self.page_size, len(starts)
         pos = np.array(starts, dtype=I64)
-        off = pos % p
-        vslots = np.array(vpages, dtype=I64) * p + off
-        spage_arr = np.array(spages, dtype=I64)
-        owner = np.arange(n, dtype=I64)
-        # One decode token is always the newest row of its run: every ring row is kept.
-        rows = spage_arr * self._ring_len_col + pos % self._ring_len_col
-        done = (pos + 1) % self._ratio_col == 0
-        streams = []
-        for i, s in enumerate(self.config.streams):
-            if done[i].any():
-                idx = np.flatnonzero(done[i])
-                ends = pos[idx]
-                carry = self._carry_decode(s, requests, idx, starts)
-                entries = (idx, (ends + 1) // s.ratio - 1, compressed_slots(vslots[idx], ends, s))
-            else:
-                carry = entries = (_EMPTY, _EMPTY, _EMPTY)
-            streams.append(StreamWrites(s.ratio, owner, pos, rows[i], *carry, *entries))
-        return Allocation(
-            request_ids=tuple(r.id for r in requests),
-            token_offsets=np.arange(n + 1, dtype=I64),
-            positions=pos,
-            virtual_slots=vslots,
-            swa_slots=spage_arr * p + off,
-            streams=tuple(streams),
-            evicted=evicted,
-        )
+        vslots = np.array(vpages, dtype=I64) * p + (pos & (p - 1))
 
-    def _carry_decode(
-        self, s: StreamSpec, requests: Sequence[Request], idx: np.ndarray, starts: list[int]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        p = self.page_size
-        req, pos, pages = [], [], []
-        for i in idx.tolist():
-            r, start = requests[i], starts[i]
-            first = first_inflight(start, s)
-            req.extend([i] * (start - first))
-            pos.extend(range(first, start))
-            pages.extend(r.swa_pages[k // p - r.swa_base] for k in range(first, start))
-        pos_arr = np.array(pos, dtype=I64)
-        return np.array(req, dtype=I64), pos_arr, ring_rows(np.array(pages, dtype=I64), pos_arr, s)
+        def swa_page_of(req: np.ndarray, positions: np.ndarray) -> np.ndarray:
+            # Only requests completing a group get here; flatten just their window tables.
+            reqs = np.unique(req)
+            chosen = [requests[i] for i in reqs.tolist()]
+            first = np.fromiter((r.swa_base for r in chosen), I64, len(chosen))
+            flat, base = self._flatten([r.swa_pages for r in chosen], first)
+            return flat[base[np.searchsorted(reqs, req)] + (positions >> self._shift)]
+
+        step = _Step(
+            tuple(r.id for r in requests), np.arange(n + 1, dtype=I64), pos, np.arange(n, dtype=I64),
+            vslots, np.array(spages, dtype=I64), pos, pos + 1, swa_page_of,
+        )
+        return self._assemble(step, None, evicted, False)
 
     @staticmethod
     def _flatten(tables: list[list[int]], first_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -161,81 +165,48 @@ class Shadows:
         flat = np.fromiter((x for t in tables for x in t), I64, int(sizes.sum()))
         return flat, np.cumsum(sizes) - sizes - first_pages
 
-    def _build(
-        self,
-        request_ids: tuple[int, ...],
-        offsets: np.ndarray,
-        pos: np.ndarray,
-        owner: np.ndarray,
-        run_end: np.ndarray,
-        vslots: np.ndarray,
-        spages: np.ndarray,
-        starts: np.ndarray,
-        swa_page_of: Callable[[np.ndarray, np.ndarray], np.ndarray],
-        evicted: EvictionReport,
-        replay: bool,
+    def _assemble(
+        self, step: _Step, keep: np.ndarray | None, evicted: EvictionReport, replay: bool
     ) -> Allocation:
-        p = self.page_size
-        streams = tuple(
-            self._stream_writes(s, pos, owner, run_end, vslots, spages, starts, swa_page_of, replay)
-            for s in self.config.streams
-        )
+        """Per-stream writes, computed for all streams at once (one row per stream)."""
+        pos, owner = step.pos, step.owner
+        rows = step.spages * self._ring_len_col + (pos & self._ring_mask_col)
+        # A replay rebuilds window state only: it never rewrites compressed KV.
+        done = None if replay else ((pos + 1) & self._ratio_mask_col) == 0
+        streams = []
+        for i, s in enumerate(self.config.streams):
+            if keep is None or keep[i].all():
+                ring = (owner, pos, rows[i])
+            else:
+                ring = (owner[keep[i]], pos[keep[i]], rows[i][keep[i]])
+            if done is not None and done[i].any():
+                idx = np.flatnonzero(done[i])
+                ends = pos[idx]
+                entries = (owner[idx], (ends + 1) // s.ratio - 1, compressed_slots(step.vslots[idx], ends, s))
+                carry = self._carry(s, step)
+            else:
+                entries = carry = (_EMPTY, _EMPTY, _EMPTY)
+            streams.append(StreamWrites(s.ratio, *ring, *carry, *entries))
         return Allocation(
-            request_ids=request_ids,
-            token_offsets=offsets,
+            request_ids=step.request_ids,
+            token_offsets=step.offsets,
             positions=pos,
-            virtual_slots=vslots,
-            swa_slots=spages * p + pos % p,
-            streams=streams,
+            virtual_slots=step.vslots,
+            swa_slots=step.spages * self.page_size + (pos & (self.page_size - 1)),
+            streams=tuple(streams),
             evicted=evicted,
             replay=replay,
         )
 
-    def _stream_writes(
-        self,
-        s: StreamSpec,
-        pos: np.ndarray,
-        owner: np.ndarray,
-        run_end: np.ndarray,
-        vslots: np.ndarray,
-        spages: np.ndarray,
-        starts: np.ndarray,
-        swa_page_of: Callable[[np.ndarray, np.ndarray], np.ndarray],
-        replay: bool,
-    ) -> StreamWrites:
-        p, r = self.page_size, s.ratio
-        # Keep only rows still needed later: the last ring_len of each page (or of the run).
-        keep = pos >= np.minimum((pos // p + 1) * p, run_end) - s.ring_len
-        if keep.all():
-            ring_req, ring_pos, ring_sp = owner, pos, spages
-        else:
-            ring_req, ring_pos, ring_sp = owner[keep], pos[keep], spages[keep]
-        rows = ring_rows(ring_sp, ring_pos, s)
-        # A replay rebuilds window state only: it never rewrites compressed KV.
-        done = np.flatnonzero((pos + 1) % r == 0) if not replay else np.zeros(0, I64)
-        entry_req = owner[done]
-        entry_groups = (pos[done] + 1) // r - 1
-        entry_slots = compressed_slots(vslots[done], pos[done], s)
-        carry_req, carry_pos, carry_rows = self._carry(s, entry_req, starts, swa_page_of)
-        return StreamWrites(
-            r, ring_req, ring_pos, rows, carry_req, carry_pos, carry_rows, entry_req, entry_groups, entry_slots
-        )
-
     @staticmethod
-    def _carry(
-        s: StreamSpec,
-        entry_req: np.ndarray,
-        starts: np.ndarray,
-        swa_page_of: Callable[[np.ndarray, np.ndarray], np.ndarray],
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _carry(s: StreamSpec, step: _Step) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """In-flight rows from before each run that its completing groups read."""
-        if len(entry_req) == 0:
-            return _EMPTY, _EMPTY, _EMPTY
-        reqs = np.unique(entry_req)
-        first = first_inflight(starts[reqs], s)
-        carry_pos, local = _ranges(first, starts[reqs] - first)
+        reqs = np.flatnonzero(step.ends // s.ratio > step.starts // s.ratio)
+        starts = step.starts[reqs]
+        first = first_inflight(starts, s)
+        carry_pos, local = _ranges(first, starts - first)
         carry_req = reqs[local]
-        return carry_req, carry_pos, ring_rows(swa_page_of(carry_req, carry_pos), carry_pos, s)
+        return carry_req, carry_pos, ring_rows(step.swa_page_of(carry_req, carry_pos), carry_pos, s)
 
     def read_plan(
         self, length: int, vpages: list[int], swa_first: int, swa_pages: list[int], replay_start: int | None
