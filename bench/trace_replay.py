@@ -171,10 +171,16 @@ def config_for(page_size: int, full: int, swa: int, replay: bool) -> CacheConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--page-size", type=int, nargs="*", default=[1, 64, 256])
-    ap.add_argument("--split", nargs="*", default=["200000:50000", "400000:40000"],
-                    help="full:swa pool sizes in tokens")
+    ap.add_argument(
+        "--split",
+        nargs="*",
+        default=["200000:50000", "400000:40000"],
+        help="full:swa pool sizes in tokens",
+    )
     ap.add_argument("--replay", choices=["off", "on", "both"], default="both")
     ap.add_argument("--requests", type=int, default=TraceSpec.num_requests)
     ap.add_argument("--json", type=Path, help="also write results as JSON")
@@ -182,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = TraceSpec(num_requests=args.requests)
     replays = {"off": [False], "on": [True], "both": [False, True]}[args.replay]
     results = []
-    header = f"{'page':>5} {'full':>7} {'swa':>6} {'replay':>6} {'req/s':>8} {'tok/s':>9} {'hit':>6} {'preempt':>7} {'full%':>6} {'swa%':>5}  per-op µs"
+    header = (
+        f"{'page':>5} {'full':>7} {'swa':>6} {'replay':>6} {'req/s':>8} {'tok/s':>9} {'hit':>6} "
+        f"{'preempt':>7} {'full%':>6} {'swa%':>5}  per-op µs"
+    )
     print(header, flush=True)
     for page in args.page_size:
         for split in args.split:

@@ -68,7 +68,9 @@ class PageAllocator:
 
     def set_capacity(self, capacity: int) -> None:
         if not 0 < capacity <= self.max_pages:
-            raise ConfigError(f"{self.name}: capacity must be in (0, {self.max_pages}], got {capacity}")
+            raise ConfigError(
+                f"{self.name}: capacity must be in (0, {self.max_pages}], got {capacity}"
+            )
         self.capacity = capacity
 
     def free_snapshot(self) -> tuple[int, ...]:

@@ -71,13 +71,29 @@ class ShadowRadixCache:
         replay_gain = cached_len - self.config.window
         if self.config.bounded_replay and replay_gain > prefix_len:
             return MatchResult(
-                len(arr), cached_len, cached_len, replay_gain, WindowSource.REPLAY, replay_gain,
-                walk.nodes[-1], walk.last_pages, self._tree.version, arr,
+                len(arr),
+                cached_len,
+                cached_len,
+                replay_gain,
+                WindowSource.REPLAY,
+                replay_gain,
+                walk.nodes[-1],
+                walk.last_pages,
+                self._tree.version,
+                arr,
             )
         source = WindowSource.LIVE if prefix_len else WindowSource.NONE
         return MatchResult(
-            len(arr), cached_len, prefix_len, prefix_len, source, None, node, node_pages,
-            self._tree.version, arr,
+            len(arr),
+            cached_len,
+            prefix_len,
+            prefix_len,
+            source,
+            None,
+            node,
+            node_pages,
+            self._tree.version,
+            arr,
         )
 
     def _deepest_live(self, walk: Walk) -> tuple[Node, int]:
@@ -96,7 +112,10 @@ class ShadowRadixCache:
             n = walk.nodes[i]
             used = walk.last_pages if i == len(walk.nodes) - 1 else n.num_pages
             end_page = n.start_page + used
-            if end_page > n.start_page + n.live_from and max(0, end_page * p - w) >= run_start[i] * p:
+            if (
+                end_page > n.start_page + n.live_from
+                and max(0, end_page * p - w) >= run_start[i] * p
+            ):
                 return n, used
         return self._tree.root, 0
 
@@ -134,8 +153,16 @@ class ShadowRadixCache:
             evicted = self._make_room(0, replay_pages)
             request.swa_pages = self._swa.allocate(replay_pages)
             request.swa_owned = [True] * replay_pages
-            run = Run(match.replay_start or 0, match.prefix_len, request.vpages[window_first:], window_first, request.swa_pages)
-            request.replay_allocation = self._shadows.allocation((request.id,), [run], evicted, replay=True)
+            run = Run(
+                match.replay_start or 0,
+                match.prefix_len,
+                request.vpages[window_first:],
+                window_first,
+                request.swa_pages,
+            )
+            request.replay_allocation = self._shadows.allocation(
+                (request.id,), [run], evicted, replay=True
+            )
         else:
             request.swa_pages = self._tree_swa_pages(node, window_first, prefix_pages)
             request.swa_owned = [False] * len(request.swa_pages)
@@ -179,7 +206,9 @@ class ShadowRadixCache:
         """Append committed tokens (a prefill chunk or decoded tokens) to one request."""
         return self.extend_batch([request], [tokens])
 
-    def extend_batch(self, requests: Sequence[Request], tokens: Sequence[TokenInput] | np.ndarray) -> Allocation:
+    def extend_batch(
+        self, requests: Sequence[Request], tokens: Sequence[TokenInput] | np.ndarray
+    ) -> Allocation:
         """Append committed tokens to several requests at once: one `Allocation` for the step.
 
         All or nothing: on any error no request changes. Window pages that every request's
@@ -208,18 +237,27 @@ class ShadowRadixCache:
             raise InvalidRequestError(f"draft of {len(arr)} tokens exceeds max_draft_len={limit}")
         return self._extend([request], [arr], draft=True)
 
-    def _check_batch(self, requests: Sequence[Request], tokens: Sequence[TokenInput] | np.ndarray) -> None:
+    def _check_batch(
+        self, requests: Sequence[Request], tokens: Sequence[TokenInput] | np.ndarray
+    ) -> None:
         if len(requests) != len(tokens) or not requests:
             raise InvalidRequestError("need one token list per request, and at least one request")
         if len({id(r) for r in requests}) != len(requests):
             raise InvalidRequestError("a request appears twice in one batch")
         active = RequestState.ACTIVE
         for r in requests:
-            if type(r) is not Request or r.owner is not self or r.state is not active or r.num_draft:
+            if (
+                type(r) is not Request
+                or r.owner is not self
+                or r.state is not active
+                or r.num_draft
+            ):
                 self._check_active(r)
                 raise InvalidRequestError(f"request {r.id} has unverified drafts: rollback first")
 
-    def _extend(self, requests: Sequence[Request], arrays: list[np.ndarray], draft: bool) -> Allocation:
+    def _extend(
+        self, requests: Sequence[Request], arrays: list[np.ndarray], draft: bool
+    ) -> Allocation:
         p = self.config.page_size
         needs = [self._pages_needed(r, len(a)) for r, a in zip(requests, arrays)]
         evicted = self._reserve(sum(n[0] for n in needs), sum(n[1] for n in needs))
@@ -229,7 +267,13 @@ class ShadowRadixCache:
             self._grow(r, nv, ns)
             first = max(r.swa_base, (start - self.config.window) // p)
             runs.append(
-                Run(start, start + len(a), r.vpages[start // p :], first, r.swa_pages[first - r.swa_base :])
+                Run(
+                    start,
+                    start + len(a),
+                    r.vpages[start // p :],
+                    first,
+                    r.swa_pages[first - r.swa_base :],
+                )
             )
             r._append(a)
             if draft:
@@ -331,7 +375,10 @@ class ShadowRadixCache:
         end = start + accepted
         keep_pages = -(-end // p)
         self._swa.give_back(request.swa_pages[keep_pages - request.swa_base :])
-        del request.swa_pages[keep_pages - request.swa_base :], request.swa_owned[keep_pages - request.swa_base :]
+        del (
+            request.swa_pages[keep_pages - request.swa_base :],
+            request.swa_owned[keep_pages - request.swa_base :],
+        )
         self._full.give_back(request.vpages[keep_pages:])
         del request.vpages[keep_pages:]
         request._truncate(end)
@@ -418,7 +465,9 @@ class ShadowRadixCache:
             request.swa_owned[first - base : live_abs - base] = [False] * len(revived)
             self._tree.revive(node, np.asarray(revived, dtype=np.int64))
 
-    def _add_leaf(self, request: Request, parent: Node, tokens: np.ndarray, full_pages: int) -> Node:
+    def _add_leaf(
+        self, request: Request, parent: Node, tokens: np.ndarray, full_pages: int
+    ) -> Node:
         p, lo = self.config.page_size, parent.end_page
         live_lo = max(lo, request.swa_base)
         i0, i1 = live_lo - request.swa_base, full_pages - request.swa_base
@@ -437,7 +486,11 @@ class ShadowRadixCache:
         request.swa_receipt = request.full_receipt = None
         self._full.free(request.vpages[request.tree_pages :])
         self._swa.free([pg for pg, own in zip(request.swa_pages, request.swa_owned) if own])
-        request.swa_pages, request.swa_owned, request.vpages = [], [], request.vpages[: request.tree_pages]
+        request.swa_pages, request.swa_owned, request.vpages = (
+            [],
+            [],
+            request.vpages[: request.tree_pages],
+        )
         request.state = state
         del self._requests[request.id]
         self._tree.touch(request.terminal.path_from_root())
@@ -499,7 +552,9 @@ class ShadowRadixCache:
         self._evicted += report
         return report
 
-    def rebalance(self, full_capacity: int | None = None, swa_capacity: int | None = None) -> EvictionReport:
+    def rebalance(
+        self, full_capacity: int | None = None, swa_capacity: int | None = None
+    ) -> EvictionReport:
         """Move the live pool capacities (tokens) within their configured maxima at run time.
 
         Shrinking evicts what no longer fits; raises `CapacityError` (changing nothing) when
@@ -507,18 +562,25 @@ class ShadowRadixCache:
         """
         p = self.config.page_size
         targets = []
-        for name, alloc, value in (("full", self._full, full_capacity), ("swa", self._swa, swa_capacity)):
+        for name, alloc, value in (
+            ("full", self._full, full_capacity),
+            ("swa", self._swa, swa_capacity),
+        ):
             if value is None:
                 targets.append(alloc.capacity)
                 continue
             if value <= 0 or value % p or value // p > alloc.max_pages:
-                raise ConfigError(f"{name} capacity must be a multiple of {p} in (0, {alloc.max_pages * p}]")
+                raise ConfigError(
+                    f"{name} capacity must be a multiple of {p} in (0, {alloc.max_pages * p}]"
+                )
             targets.append(value // p)
         if targets[1] < self.config.window_pages + 1:
             raise ConfigError("swa capacity must hold at least one request's window")
         excess = [max(0, a.num_used - t) for a, t in zip((self._full, self._swa), targets)]
         self._ensure_capacity(excess[0] + self._full.num_free, excess[1] + self._swa.num_free)
-        report = self._evict_full(excess[0]) + self._evict_swa(max(0, self._swa.num_used - targets[1]))
+        report = self._evict_full(excess[0]) + self._evict_swa(
+            max(0, self._swa.num_used - targets[1])
+        )
         self._full.set_capacity(targets[0])
         self._swa.set_capacity(targets[1])
         self._debug_check()
@@ -531,7 +593,10 @@ class ShadowRadixCache:
         compressed entry, and the in-flight ring rows of each stream."""
         self._check_active(request)
         return self._shadows.read_plan(
-            request.length, request.vpages, request.swa_base, request.swa_pages,
+            request.length,
+            request.vpages,
+            request.swa_base,
+            request.swa_pages,
             request.match.replay_start,
         )
 
@@ -541,8 +606,16 @@ class ShadowRadixCache:
         held_s = sum(sum(r.swa_owned) for r in self._requests.values())
         return CacheStats(
             page_size=self.config.page_size,
-            full=PoolStats(self._full.capacity, self._full.num_free, idx.full_evictable, idx.full_protected, held_v),
-            swa=PoolStats(self._swa.capacity, self._swa.num_free, idx.swa_evictable, idx.swa_protected, held_s),
+            full=PoolStats(
+                self._full.capacity,
+                self._full.num_free,
+                idx.full_evictable,
+                idx.full_protected,
+                held_v,
+            ),
+            swa=PoolStats(
+                self._swa.capacity, self._swa.num_free, idx.swa_evictable, idx.swa_protected, held_s
+            ),
             num_nodes=len(idx.nodes),
             num_requests=len(self._requests),
             prompt_tokens=self._prompt_tokens,

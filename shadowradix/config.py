@@ -99,7 +99,9 @@ class CacheConfig:
 
     def _validate_shapes(self) -> None:
         if self.page_size not in SUPPORTED_PAGE_SIZES:
-            raise ConfigError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {self.page_size}")
+            raise ConfigError(
+                f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {self.page_size}"
+            )
         if not isinstance(self.window, int) or self.window < 1:
             raise ConfigError(f"window must be a positive int, got {self.window!r}")
         if not self.compress_ratios:
@@ -115,7 +117,7 @@ class CacheConfig:
             if span > self.window:
                 raise ConfigError(
                     f"ratio {r} keeps {span} in-flight rows before a position, more than the "
-                    f"window ({self.window}): its ring rows would outlive the SWA pages holding them"
+                    f"window ({self.window}): ring rows would outlive the SWA pages holding them"
                 )
 
     def _validate_capacities(self) -> None:
@@ -123,13 +125,20 @@ class CacheConfig:
         for name in ("full_capacity", "swa_capacity"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < p or value % p:
-                raise ConfigError(f"{name} must be a positive multiple of page_size={p}, got {value}")
-        for name, live in (("max_full_capacity", self.full_capacity), ("max_swa_capacity", self.swa_capacity)):
+                raise ConfigError(
+                    f"{name} must be a positive multiple of page_size={p}, got {value}"
+                )
+        for name, live in (
+            ("max_full_capacity", self.full_capacity),
+            ("max_swa_capacity", self.swa_capacity),
+        ):
             value = getattr(self, name)
             if value is None:
                 object.__setattr__(self, name, live)
             elif value < live or value % p:
-                raise ConfigError(f"{name} must be a multiple of page_size and >= the live capacity")
+                raise ConfigError(
+                    f"{name} must be a multiple of page_size and >= the live capacity"
+                )
         window_pages = -(-self.window // p) + 2
         if self.swa_capacity // p < window_pages:
             raise ConfigError(

@@ -29,13 +29,17 @@ def check_cache(cache: ShadowRadixCache) -> None:
     owned_v = [n.vpages for n in nodes] + [np.asarray(r.vpages[r.tree_pages :]) for r in requests]
     cache._full.check_invariants(_concat(owned_v))
     owned_s = [n.swa_pages for n in nodes]
-    owned_s += [np.asarray([pg for pg, own in zip(r.swa_pages, r.swa_owned) if own]) for r in requests]
+    owned_s += [
+        np.asarray([pg for pg, own in zip(r.swa_pages, r.swa_owned) if own]) for r in requests
+    ]
     cache._swa.check_invariants(_concat(owned_s))
     stats = cache.stats()
     for name, pool in (("full", stats.full), ("swa", stats.swa)):
         total = pool.free_pages + pool.evictable_pages + pool.protected_pages + pool.held_pages
         assert pool.free_pages >= 0, f"{name}: more pages in use than capacity"
-        assert total == pool.capacity_pages, f"{name}: free+evictable+protected+held={total} != {pool.capacity_pages}"
+        assert total == pool.capacity_pages, (
+            f"{name}: free+evictable+protected+held={total} != {pool.capacity_pages}"
+        )
     for r in requests:
         _check_request(cache, r)
 
@@ -76,5 +80,7 @@ def _check_request(cache: ShadowRadixCache, r: Request) -> None:
         node = _node_at(r.terminal, k)
         local = k - node.start_page
         assert local >= node.live_from, f"{r}: reads tombstoned SWA at page {k}"
-        assert node.swa_pages[local - node.live_from] == page_id, f"{r}: SWA table stale at page {k}"
+        assert node.swa_pages[local - node.live_from] == page_id, (
+            f"{r}: SWA table stale at page {k}"
+        )
         assert local >= node.protect_from(), f"{r}: reads unprotected SWA at page {k}"

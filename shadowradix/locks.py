@@ -64,7 +64,9 @@ class LockTable:
 
     def unlock(self, receipt: LockReceipt) -> None:
         if self._live.pop(receipt.id, None) is not receipt:
-            raise LockError(f"receipt {receipt.id} ({receipt.pool.value}) is not live: double unlock?")
+            raise LockError(
+                f"receipt {receipt.id} ({receipt.pool.value}) is not live: double unlock?"
+            )
         if receipt.pool is Pool.FULL:
             n: Node | None = receipt.node
             while n is not None and n.parent is not None:
@@ -113,7 +115,9 @@ class LockTable:
                     per[r.window_page] = per.get(r.window_page, 0) + 1
         for n in nodes:
             assert n.full_lock_ref >= 0 and all(c > 0 for c in n.swa_locks.values()), n
-            assert n.full_lock_ref == full.get(n.id, 0), f"{n}: full_lock_ref disagrees with receipts"
+            assert n.full_lock_ref == full.get(n.id, 0), (
+                f"{n}: full_lock_ref disagrees with receipts"
+            )
             assert n.swa_locks == swa.get(n.id, {}), f"{n}: swa_locks disagree with receipts"
             if n.swa_locks:
                 assert n.full_lock_ref > 0, f"{n}: SWA-locked but not full-locked"

@@ -101,5 +101,6 @@ class Node:
     def __repr__(self) -> str:
         return (
             f"Node(id={self.id}, pages=[{self.start_page},{self.end_page}), "
-            f"live_from={self.live_from}, full_lock={self.full_lock_ref}, swa_locks={self.swa_locks})"
+            f"live_from={self.live_from}, full_lock={self.full_lock_ref}, "
+            f"swa_locks={self.swa_locks})"
         )

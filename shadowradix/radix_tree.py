@@ -42,7 +42,9 @@ class RadixTree:
         p = self.page_size
         return tuple(tokens[page * p : (page + 1) * p].tolist())
 
-    def walk(self, tokens: np.ndarray, start: Node | None = None, max_pages: int | None = None) -> Walk:
+    def walk(
+        self, tokens: np.ndarray, start: Node | None = None, max_pages: int | None = None
+    ) -> Walk:
         """Longest page-aligned match of ``tokens`` (absolute positions) below ``start``."""
         p = self.page_size
         node = start or self.root
@@ -103,7 +105,9 @@ class RadixTree:
         self.index.update(node)
         return upper
 
-    def add_leaf(self, parent: Node, tokens: np.ndarray, vpages: np.ndarray, swa_pages: np.ndarray) -> Node:
+    def add_leaf(
+        self, parent: Node, tokens: np.ndarray, vpages: np.ndarray, swa_pages: np.ndarray
+    ) -> Node:
         key = tuple(tokens[: self.page_size].tolist())
         assert key not in parent.children
         leaf = Node(parent, tokens, parent.end_page, vpages, swa_pages, key)

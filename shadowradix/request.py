@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .locks import LockReceipt
 from .node import Node
 from .results import MatchResult
+
+if TYPE_CHECKING:
+    from .results import Allocation
 
 _ids = itertools.count()
 
@@ -69,7 +73,7 @@ class Request:
         self.match = match
         self.state = RequestState.ACTIVE
         #: the window rebuild a replayed hit must run before its first extend
-        self.replay_allocation: object | None = None
+        self.replay_allocation: Allocation | None = None
         #: length at which the window was last trimmed
         self.released_at = match.prefix_len
 
@@ -126,5 +130,6 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request(id={self.id}, len={self.length}, draft={self.num_draft}, "
-            f"tree_pages={self.tree_pages}, swa=[{self.swa_base}+{len(self.swa_pages)}], {self.state.value})"
+            f"tree_pages={self.tree_pages}, swa=[{self.swa_base}+{len(self.swa_pages)}], "
+            f"{self.state.value})"
         )

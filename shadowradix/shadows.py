@@ -57,13 +57,16 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.nda
     return starts[owner] + np.arange(total, dtype=I64) - offsets[owner], owner
 
 
-def first_inflight(length: np.ndarray | int, stream: StreamSpec) -> np.ndarray | int:
+def first_inflight(length: int, stream: StreamSpec) -> int:
     """First position whose in-flight row the compressor still needs at ``length``."""
-    r = stream.ratio
-    start = length // r * r
-    if stream.overlap:
-        start = start - r
-    return np.maximum(start, 0) if isinstance(start, np.ndarray) else max(start, 0)
+    start = length // stream.ratio * stream.ratio
+    return max(start - stream.ratio if stream.overlap else start, 0)
+
+
+def first_inflight_rows(lengths: np.ndarray, stream: StreamSpec) -> np.ndarray:
+    """`first_inflight` for many lengths at once."""
+    start = lengths // stream.ratio * stream.ratio
+    return np.maximum(start - stream.ratio if stream.overlap else start, 0)
 
 
 def compressed_slots(vslots: np.ndarray, ends: np.ndarray, stream: StreamSpec) -> np.ndarray:
@@ -107,7 +110,11 @@ class Shadows:
         self._ratio_mask_col = np.array([[s.ratio - 1] for s in config.streams], dtype=I64)
 
     def allocation(
-        self, request_ids: tuple[int, ...], runs: list[Run], evicted: EvictionReport, replay: bool = False
+        self,
+        request_ids: tuple[int, ...],
+        runs: list[Run],
+        evicted: EvictionReport,
+        replay: bool = False,
     ) -> Allocation:
         """General step: any number of new tokens per request."""
         p = self.page_size
@@ -153,8 +160,15 @@ class Shadows:
             return flat[base[np.searchsorted(reqs, req)] + (positions >> self._shift)]
 
         step = _Step(
-            tuple(r.id for r in requests), np.arange(n + 1, dtype=I64), pos, np.arange(n, dtype=I64),
-            vslots, np.array(spages, dtype=I64), pos, pos + 1, swa_page_of,
+            tuple(r.id for r in requests),
+            np.arange(n + 1, dtype=I64),
+            pos,
+            np.arange(n, dtype=I64),
+            vslots,
+            np.array(spages, dtype=I64),
+            pos,
+            pos + 1,
+            swa_page_of,
         )
         return self._assemble(step, None, evicted, False)
 
@@ -182,7 +196,11 @@ class Shadows:
             if done is not None and done[i].any():
                 idx = np.flatnonzero(done[i])
                 ends = pos[idx]
-                entries = (owner[idx], (ends + 1) // s.ratio - 1, compressed_slots(step.vslots[idx], ends, s))
+                entries = (
+                    owner[idx],
+                    (ends + 1) // s.ratio - 1,
+                    compressed_slots(step.vslots[idx], ends, s),
+                )
                 carry = self._carry(s, step)
             else:
                 entries = carry = (_EMPTY, _EMPTY, _EMPTY)
@@ -203,13 +221,18 @@ class Shadows:
         """In-flight rows from before each run that its completing groups read."""
         reqs = np.flatnonzero(step.ends // s.ratio > step.starts // s.ratio)
         starts = step.starts[reqs]
-        first = first_inflight(starts, s)
+        first = first_inflight_rows(starts, s)
         carry_pos, local = _ranges(first, starts - first)
         carry_req = reqs[local]
         return carry_req, carry_pos, ring_rows(step.swa_page_of(carry_req, carry_pos), carry_pos, s)
 
     def read_plan(
-        self, length: int, vpages: list[int], swa_first: int, swa_pages: list[int], replay_start: int | None
+        self,
+        length: int,
+        vpages: list[int],
+        swa_first: int,
+        swa_pages: list[int],
+        replay_start: int | None,
     ) -> ReadPlan:
         p, w = self.page_size, self.config.window
         swa_pos = np.arange(max(0, length - w), length, dtype=I64)

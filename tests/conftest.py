@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "ci",
-    max_examples=40,
-    stateful_step_count=40,
+    max_examples=150,
+    stateful_step_count=50,
     derandomize=True,
     deadline=None,
     print_blob=True,
@@ -23,3 +23,10 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=20, stateful_step_count=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: ignore[no-untyped-def]
+    from shadowradix.testing import CacheMachine
+
+    if CacheMachine.steps_run:
+        terminalreporter.write_line(f"stateful machines ran {CacheMachine.steps_run} steps")

@@ -45,6 +45,8 @@ ALPHABET = 3
 
 class CacheMachine(RuleBasedStateMachine):
     requests = Bundle("requests")
+    #: steps executed by every instance, all subclasses together (reported by the test suite)
+    steps_run = 0
     config_strategy: st.SearchStrategy[CacheConfig] = cache_configs()
 
     def make_cache(self, config: CacheConfig) -> ShadowRadixCache:
@@ -72,7 +74,7 @@ class CacheMachine(RuleBasedStateMachine):
     def _tokens_of(self, allocation_ids: tuple[int, ...]) -> dict[int, list[int]]:
         return {rid: self.live[rid].tokens for rid in allocation_ids}
 
-    def _expect_unchanged(self, before: tuple, err: Exception) -> None:
+    def _expect_unchanged(self, before: tuple, err: CapacityError) -> None:
         note(f"rejected: {err}")
         event(f"capacity error ({err.pool})")
         assert snapshot(self.cache) == before, "a failed call changed the cache"
@@ -110,7 +112,9 @@ class CacheMachine(RuleBasedStateMachine):
             return multiple()
         self.live[request.id] = request
         event(f"admit: {match.window.value}" + (" (hit)" if match.hit_len else ""))
-        note(f"admit r{request.id}: len={len(prompt)} {match.window.value} prefix={match.prefix_len}")
+        note(
+            f"admit r{request.id}: len={len(prompt)} {match.window.value} prefix={match.prefix_len}"
+        )
         if request.replay_allocation is not None:
             self.oracle.write(request.replay_allocation, self._tokens_of((request.id,)))
         return request
@@ -127,7 +131,9 @@ class CacheMachine(RuleBasedStateMachine):
         if not isinstance(request, Request):
             return
         chunk = max(1, 3 * self.config.page_size // 2)
-        while len(request.prompt_remaining) and self._extend([request], [request.prompt_remaining[:chunk].tolist()]):
+        while len(request.prompt_remaining) and self._extend(
+            [request], [request.prompt_remaining[:chunk].tolist()]
+        ):
             pass
         for t in range(decode_len):
             if not self._extend([request], [[t % ALPHABET]]):
@@ -143,7 +149,10 @@ class CacheMachine(RuleBasedStateMachine):
         self._extend([request], [chunk or [size % ALPHABET]])
 
     @precondition(lambda self: self.live)
-    @rule(batch=st.lists(requests, min_size=1, max_size=4, unique_by=lambda r: r.id), tok=st.integers(0, ALPHABET - 1))
+    @rule(
+        batch=st.lists(requests, min_size=1, max_size=4, unique_by=lambda r: r.id),
+        tok=st.integers(0, ALPHABET - 1),
+    )
     def decode(self, batch: list[Request], tok: int) -> None:
         self._extend(batch, [[tok] for _ in batch])
 
@@ -161,7 +170,11 @@ class CacheMachine(RuleBasedStateMachine):
         return True
 
     @precondition(lambda self: self.config.speculative and self.live)
-    @rule(request=requests, draft=st.lists(st.integers(0, ALPHABET - 1), min_size=1, max_size=12), accept=st.integers(0, 12))
+    @rule(
+        request=requests,
+        draft=st.lists(st.integers(0, ALPHABET - 1), min_size=1, max_size=12),
+        accept=st.integers(0, 12),
+    )
     def draft_and_verify(self, request: Request, draft: list[int], accept: int) -> None:
         limit = self.config.max_draft_len
         draft = draft[:limit] if limit is not None else draft
@@ -176,11 +189,15 @@ class CacheMachine(RuleBasedStateMachine):
         self.oracle.write(allocation, self._tokens_of(allocation.request_ids))
         self.cache.rollback(request, len(draft) - accepted)
         note(f"draft r{request.id}: {len(draft)} drafted, {accepted} accepted")
-        event(f"draft: {'all' if accepted == len(draft) else 'some' if accepted else 'none'} accepted")
+        event(
+            f"draft: {'all' if accepted == len(draft) else 'some' if accepted else 'none'} accepted"
+        )
         if accepted:
             twin_cache.extend(twin, draft[:accepted])
         if allocation.evicted.full_pages == allocation.evicted.swa_pages == 0:
-            assert snapshot(self.cache) == snapshot(twin_cache), "rollback differs from never drafting"
+            assert snapshot(self.cache) == snapshot(twin_cache), (
+                "rollback differs from never drafting"
+            )
 
     @precondition(lambda self: self.live)
     @rule(request=requests)
@@ -201,7 +218,7 @@ class CacheMachine(RuleBasedStateMachine):
         if full and full - w >= request.match.prefix_len:
             m = self.cache.match_prefix(request.tokens[:full])
             assert m.window is WindowSource.LIVE and m.prefix_len == full, (
-                f"finished {full} tokens but a re-match resumes at {m.prefix_len} ({m.window.value})"
+                f"finished {full} tokens, a re-match resumes at {m.prefix_len} ({m.window.value})"
             )
 
     @precondition(lambda self: self.live)
@@ -232,6 +249,7 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def structure_holds(self) -> None:
         if hasattr(self, "cache"):
+            CacheMachine.steps_run += 1
             self.cache.check_invariants()
 
     @invariant()

@@ -50,26 +50,41 @@ class FingerprintOracle:
         for i, rid in enumerate(allocation.request_ids):
             h = hashes[rid]
             sl = slice(offsets[i], offsets[i + 1])
-            for pos, slot in zip(allocation.positions[sl].tolist(), allocation.swa_slots[sl].tolist()):
+            for pos, slot in zip(
+                allocation.positions[sl].tolist(), allocation.swa_slots[sl].tolist()
+            ):
                 self.swa[slot] = Fingerprint(h[pos], rid if approx else None)
         for s in allocation.streams:
             self._write_stream(s, allocation, hashes, approx)
 
-    def _write_stream(self, s, allocation: Allocation, hashes: dict[int, list[int]], approx: bool) -> None:
+    def _write_stream(
+        self, s, allocation: Allocation, hashes: dict[int, list[int]], approx: bool
+    ) -> None:
         rids = allocation.request_ids
         ring = self.rings[s.ratio]
         # 1. groups completing now read carry rows written by earlier steps
-        for req, pos, row in zip(s.carry_request.tolist(), s.carry_positions.tolist(), s.carry_rows.tolist()):
-            self._expect(ring.get(row), hashes[rids[req]][pos], rids[req], f"C{s.ratio} carry row {row} (pos {pos})")
+        for req, pos, row in zip(
+            s.carry_request.tolist(), s.carry_positions.tolist(), s.carry_rows.tolist()
+        ):
+            self._expect(
+                ring.get(row),
+                hashes[rids[req]][pos],
+                rids[req],
+                f"C{s.ratio} carry row {row} (pos {pos})",
+            )
         self._check_group_inputs(s, allocation)
         # 2. store the in-flight rows worth keeping: no two may collide within one step
         if len(set(s.ring_rows.tolist())) != len(s.ring_rows):
             raise OracleViolation(f"C{s.ratio}: two positions write one ring row in the same step")
-        for req, pos, row in zip(s.ring_request.tolist(), s.ring_positions.tolist(), s.ring_rows.tolist()):
+        for req, pos, row in zip(
+            s.ring_request.tolist(), s.ring_positions.tolist(), s.ring_rows.tolist()
+        ):
             ring[row] = Fingerprint(hashes[rids[req]][pos], rids[req] if approx else None)
         # 3. completed entries
         r = s.ratio
-        for req, g, slot in zip(s.entry_request.tolist(), s.entry_groups.tolist(), s.entry_slots.tolist()):
+        for req, g, slot in zip(
+            s.entry_request.tolist(), s.entry_groups.tolist(), s.entry_slots.tolist()
+        ):
             self.entries[r][slot] = Fingerprint(hashes[rids[req]][(g + 1) * r - 1])
 
     def _check_group_inputs(self, s, allocation: Allocation) -> None:
@@ -85,7 +100,9 @@ class FingerprintOracle:
             lo = max(0, (g - 1) * r if stream.overlap else g * r)
             needed = set(range(lo, min(first_new, (g + 1) * r)))
             if not needed <= carried.get(req, set()):
-                raise OracleViolation(f"C{r} group {g}: in-flight rows {sorted(needed)} not carried in")
+                raise OracleViolation(
+                    f"C{r} group {g}: in-flight rows {sorted(needed)} not carried in"
+                )
 
     def check_reads(self, plan: ReadPlan, tokens: list[int], request_id: int) -> None:
         """Every slot a forward at ``plan.length`` would read holds recomputation's value."""
@@ -95,9 +112,16 @@ class FingerprintOracle:
         for s in plan.streams:
             r = s.ratio
             for g, slot in enumerate(s.entry_slots.tolist()):
-                self._expect(self.entries[r].get(slot), h[(g + 1) * r - 1], request_id, f"C{r} entry {g} slot {slot}")
+                self._expect(
+                    self.entries[r].get(slot),
+                    h[(g + 1) * r - 1],
+                    request_id,
+                    f"C{r} entry {g} slot {slot}",
+                )
             for pos, row in zip(s.inflight_positions.tolist(), s.inflight_rows.tolist()):
-                self._expect(self.rings[r].get(row), h[pos], request_id, f"C{r} ring row {row} (pos {pos})")
+                self._expect(
+                    self.rings[r].get(row), h[pos], request_id, f"C{r} ring row {row} (pos {pos})"
+                )
         self.reads += 1
 
     @staticmethod
@@ -105,4 +129,6 @@ class FingerprintOracle:
         if found is None or found.prefix_hash != expected:
             raise OracleViolation(f"{what}: holds {found}, recomputation gives {expected}")
         if found.approx_writer is not None and found.approx_writer != reader:
-            raise OracleViolation(f"{what}: request {reader} reads request {found.approx_writer}'s replay")
+            raise OracleViolation(
+                f"{what}: request {reader} reads request {found.approx_writer}'s replay"
+            )

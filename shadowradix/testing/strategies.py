@@ -10,7 +10,9 @@ PAGE_SIZES = (1, 2, 4, 8, 16, 64, 256)
 
 
 @st.composite
-def cache_configs(draw: st.DrawFn, speculative: bool | None = None, replay: bool | None = None) -> CacheConfig:
+def cache_configs(
+    draw: st.DrawFn, speculative: bool | None = None, replay: bool | None = None
+) -> CacheConfig:
     """Tiny pools (so eviction is constant), every supported page size from 1 to 256, and both
     toy ratios/windows and the real 128/4/128."""
     page = draw(st.sampled_from(PAGE_SIZES))
@@ -19,7 +21,9 @@ def cache_configs(draw: st.DrawFn, speculative: bool | None = None, replay: bool
     else:
         c4 = draw(st.sampled_from((2, 4)))
         window = draw(st.integers(2 * c4 - 1, 16))
-        dense = draw(st.sampled_from([r for r in (4, 8, 16) if r - 1 <= window and r != c4] or [c4]))
+        dense = draw(
+            st.sampled_from([r for r in (4, 8, 16) if r - 1 <= window and r != c4] or [c4])
+        )
         ratios, overlap = (0, c4, dense), (c4,)
     spec = draw(st.booleans()) if speculative is None else speculative
     rep = (not spec and draw(st.booleans())) if replay is None else replay
