@@ -286,21 +286,29 @@ class ShadowRadixCache:
 
     def _extend_decode(self, requests: Sequence[Request], tokens: list[int]) -> Allocation:
         """One token per request: same contract as `_extend`, with O(1) Python per request."""
-        p = self.config.page_size
+        p, w = self.config.page_size, self.config.window
+        group_mask = self._shadows.group_mask
         starts = [r._len for r in requests]
         crossing = sum(1 for start in starts if start % p == 0)
         evicted = self._reserve(crossing, crossing) if crossing else _NO_EVICTION
         vpages, spages = [], []
-        for r, t, start in zip(requests, tokens, starts):
+        carry_tables: dict[int, tuple[int, list[int]]] = {}
+        for i, (r, t, start) in enumerate(zip(requests, tokens, starts)):
             page = start // p
             if start % p == 0:
                 self._grow(r, 1, 1)
             vpages.append(r.vpages[page])
             spages.append(r.swa_pages[page - r.swa_base])
+            if not (start + 1) & group_mask:
+                first = max(r.swa_base, (start - w) // p)
+                carry_tables[i] = (first, r.swa_pages[first - r.swa_base : page + 1 - r.swa_base])
             r._append_one(t)
             if page != r.released_at // p:
                 self._release_window(r, start)
-        allocation = self._shadows.decode_allocation(requests, starts, vpages, spages, evicted)
+        ids = tuple(r.id for r in requests)
+        allocation = self._shadows.decode_allocation(
+            ids, starts, vpages, spages, carry_tables, evicted
+        )
         self._debug_check()
         return allocation
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,32 +92,90 @@ class EvictionReport:
 
 
 @dataclass(frozen=True)
-class Allocation:
-    """What each pool must write for the new tokens of one step (one or many requests).
+class StepArrays:
+    """The per-token arrays of an `Allocation` (see there)."""
 
-    Per token (concatenated over requests, ``token_offsets[i]:token_offsets[i+1]`` for request
-    ``i``): ``positions``, ``virtual_slots``, ``swa_slots``. Per stream: a `StreamWrites`.
-    ``replay`` marks the window rebuild of a replayed hit: it writes SWA and rings only.
-    """
-
-    request_ids: tuple[int, ...]
     token_offsets: np.ndarray
     positions: np.ndarray
     virtual_slots: np.ndarray
     swa_slots: np.ndarray
     streams: tuple[StreamWrites, ...]
-    evicted: EvictionReport
-    replay: bool = False
+
+
+class Allocation:
+    """What each pool must write for the new tokens of one step (one or many requests).
+
+    Per request ``i`` of ``request_ids``: new positions ``[starts[i], ends[i])``. Per token
+    (concatenated over requests, ``token_offsets[i]:token_offsets[i+1]`` for request ``i``):
+    ``positions``, ``virtual_slots``, ``swa_slots``; per compressed stream a `StreamWrites`.
+    ``replay`` marks the window rebuild of a replayed hit: it writes SWA and rings only.
+
+    The per-token arrays are derived on first access from a compact copy of the page tables
+    taken at allocation time, then cached: an engine that derives slots on the device from raw
+    batch state (as DeepSeek-V4 serving does for CUDA graphs) never pays for them on the CPU.
+    The allocation stays valid after later cache operations.
+    """
+
+    __slots__ = ("request_ids", "starts", "ends", "evicted", "replay", "_expand", "_arrays")
+
+    def __init__(
+        self,
+        request_ids: tuple[int, ...],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        evicted: EvictionReport,
+        replay: bool,
+        expand: Callable[[], StepArrays],
+    ) -> None:
+        self.request_ids = request_ids
+        self.starts = starts
+        self.ends = ends
+        self.evicted = evicted
+        self.replay = replay
+        self._expand = expand
+        self._arrays: StepArrays | None = None
+
+    @property
+    def arrays(self) -> StepArrays:
+        if self._arrays is None:
+            self._arrays = self._expand()
+        return self._arrays
+
+    @property
+    def token_offsets(self) -> np.ndarray:
+        return self.arrays.token_offsets
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self.arrays.positions
+
+    @property
+    def virtual_slots(self) -> np.ndarray:
+        return self.arrays.virtual_slots
+
+    @property
+    def swa_slots(self) -> np.ndarray:
+        return self.arrays.swa_slots
+
+    @property
+    def streams(self) -> tuple[StreamWrites, ...]:
+        return self.arrays.streams
 
     @property
     def num_tokens(self) -> int:
-        return len(self.positions)
+        return sum(self.ends) - sum(self.starts)
 
     def stream(self, ratio: int) -> StreamWrites:
         for s in self.streams:
             if s.ratio == ratio:
                 return s
         raise KeyError(ratio)
+
+    def __repr__(self) -> str:
+        return (
+            f"Allocation(requests={self.request_ids}, tokens={self.num_tokens}, "
+            f"replay={self.replay}, evicted={self.evicted})"
+        )
 
 
 @dataclass(frozen=True)

@@ -17,17 +17,20 @@ vectorised over all tokens of a step; nothing loops per token in Python.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .config import CacheConfig, StreamSpec
-from .results import Allocation, EvictionReport, ReadPlan, StreamReads, StreamWrites
-
-if TYPE_CHECKING:
-    from .request import Request
+from .results import (
+    Allocation,
+    EvictionReport,
+    ReadPlan,
+    StepArrays,
+    StreamReads,
+    StreamWrites,
+)
 
 I64 = np.int64
 _EMPTY = np.zeros(0, dtype=I64)
@@ -81,6 +84,13 @@ def ring_rows(swa_pages: np.ndarray, positions: np.ndarray, stream: StreamSpec) 
     return swa_pages * stream.ring_len + (positions & (stream.ring_len - 1))
 
 
+def _flatten(tables: list[list[int]], first_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate page-table slices; ``flat[base[i] + page]`` is request ``i``'s page."""
+    sizes = np.fromiter((len(t) for t in tables), I64, len(tables))
+    flat = np.fromiter((x for t in tables for x in t), I64, int(sizes.sum()))
+    return flat, np.cumsum(sizes) - sizes - first_pages
+
+
 def _log2(x: int) -> int:
     return x.bit_length() - 1
 
@@ -89,7 +99,6 @@ def _log2(x: int) -> int:
 class _Step:
     """Per-token arrays of one step (concatenated over requests) and per-run bounds."""
 
-    request_ids: tuple[int, ...]
     offsets: np.ndarray
     pos: np.ndarray
     owner: np.ndarray
@@ -108,6 +117,8 @@ class Shadows:
         self._ring_len_col = np.array([[s.ring_len] for s in config.streams], dtype=I64)
         self._ring_mask_col = self._ring_len_col - 1
         self._ratio_mask_col = np.array([[s.ratio - 1] for s in config.streams], dtype=I64)
+        #: a decode token completes a group of some stream iff ``(pos + 1) & mask == 0``
+        self.group_mask = min(config.ratios, default=1 << 62) - 1
 
     def allocation(
         self,
@@ -116,15 +127,44 @@ class Shadows:
         evicted: EvictionReport,
         replay: bool = False,
     ) -> Allocation:
-        """General step: any number of new tokens per request."""
+        """General step: any number of new tokens per request (``runs`` are private copies)."""
+        starts = [r.start for r in runs]
+        ends = [r.end for r in runs]
+        return Allocation(
+            request_ids, starts, ends, evicted, replay, lambda: self._expand_runs(runs, replay)
+        )
+
+    def decode_allocation(
+        self,
+        request_ids: tuple[int, ...],
+        starts: list[int],
+        vpages: list[int],
+        spages: list[int],
+        carry_tables: dict[int, tuple[int, list[int]]],
+        evicted: EvictionReport,
+    ) -> Allocation:
+        """Batched decode: one new token per request. ``carry_tables`` maps the index of each
+        request whose token completes a group to a copy of its window table (first page,
+        pages), for the in-flight rows that group reads."""
+        ends = [s + 1 for s in starts]
+        return Allocation(
+            request_ids,
+            starts,
+            ends,
+            evicted,
+            False,
+            lambda: self._expand_decode(starts, vpages, spages, carry_tables),
+        )
+
+    def _expand_runs(self, runs: list[Run], replay: bool) -> StepArrays:
         p = self.page_size
         starts = np.fromiter((r.start for r in runs), I64, len(runs))
         ends = np.fromiter((r.end for r in runs), I64, len(runs))
         lengths = ends - starts
         pos, owner = _ranges(starts, lengths)
-        vflat, vbase = self._flatten([r.vpages for r in runs], starts // p)
+        vflat, vbase = _flatten([r.vpages for r in runs], starts >> self._shift)
         swa_first = np.fromiter((r.swa_first for r in runs), I64, len(runs))
-        sflat, sbase = self._flatten([r.swa_pages for r in runs], swa_first)
+        sflat, sbase = _flatten([r.swa_pages for r in runs], swa_first)
         page = pos >> self._shift
         vslots = vflat[vbase[owner] + page] * p + (pos & (p - 1))
         spages = sflat[sbase[owner] + page]
@@ -135,32 +175,28 @@ class Shadows:
         # Keep only ring rows still needed later: the last ring_len of each page (or of the run).
         keep = pos >= np.minimum((page + 1) * p, ends[owner]) - self._ring_len_col
         offsets = np.concatenate(([0], np.cumsum(lengths))).astype(I64)
-        step = _Step(request_ids, offsets, pos, owner, vslots, spages, starts, ends, swa_page_of)
-        return self._assemble(step, keep, evicted, replay)
+        step = _Step(offsets, pos, owner, vslots, spages, starts, ends, swa_page_of)
+        return self._assemble(step, keep, replay)
 
-    def decode_allocation(
+    def _expand_decode(
         self,
-        requests: Sequence[Request],
         starts: list[int],
         vpages: list[int],
         spages: list[int],
-        evicted: EvictionReport,
-    ) -> Allocation:
-        """Batched decode: exactly one new token per request (every ring row is kept)."""
+        carry_tables: dict[int, tuple[int, list[int]]],
+    ) -> StepArrays:
         p, n = self.page_size, len(starts)
         pos = np.array(starts, dtype=I64)
         vslots = np.array(vpages, dtype=I64) * p + (pos & (p - 1))
 
         def swa_page_of(req: np.ndarray, positions: np.ndarray) -> np.ndarray:
-            # Only requests completing a group get here; flatten just their window tables.
             reqs = np.unique(req)
-            chosen = [requests[i] for i in reqs.tolist()]
-            first = np.fromiter((r.swa_base for r in chosen), I64, len(chosen))
-            flat, base = self._flatten([r.swa_pages for r in chosen], first)
+            tables = [carry_tables[i] for i in reqs.tolist()]
+            first = np.fromiter((t[0] for t in tables), I64, len(tables))
+            flat, base = _flatten([t[1] for t in tables], first)
             return flat[base[np.searchsorted(reqs, req)] + (positions >> self._shift)]
 
         step = _Step(
-            tuple(r.id for r in requests),
             np.arange(n + 1, dtype=I64),
             pos,
             np.arange(n, dtype=I64),
@@ -170,18 +206,9 @@ class Shadows:
             pos + 1,
             swa_page_of,
         )
-        return self._assemble(step, None, evicted, False)
+        return self._assemble(step, None, False)  # a decode token's ring row is always kept
 
-    @staticmethod
-    def _flatten(tables: list[list[int]], first_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Concatenate page-table slices; ``flat[base[i] + page]`` is request ``i``'s page."""
-        sizes = np.fromiter((len(t) for t in tables), I64, len(tables))
-        flat = np.fromiter((x for t in tables for x in t), I64, int(sizes.sum()))
-        return flat, np.cumsum(sizes) - sizes - first_pages
-
-    def _assemble(
-        self, step: _Step, keep: np.ndarray | None, evicted: EvictionReport, replay: bool
-    ) -> Allocation:
+    def _assemble(self, step: _Step, keep: np.ndarray | None, replay: bool) -> StepArrays:
         """Per-stream writes, computed for all streams at once (one row per stream)."""
         pos, owner = step.pos, step.owner
         rows = step.spages * self._ring_len_col + (pos & self._ring_mask_col)
@@ -205,16 +232,8 @@ class Shadows:
             else:
                 entries = carry = (_EMPTY, _EMPTY, _EMPTY)
             streams.append(StreamWrites(s.ratio, *ring, *carry, *entries))
-        return Allocation(
-            request_ids=step.request_ids,
-            token_offsets=step.offsets,
-            positions=pos,
-            virtual_slots=step.vslots,
-            swa_slots=step.spages * self.page_size + (pos & (self.page_size - 1)),
-            streams=tuple(streams),
-            evicted=evicted,
-            replay=replay,
-        )
+        swa_slots = step.spages * self.page_size + (pos & (self.page_size - 1))
+        return StepArrays(step.offsets, pos, step.vslots, swa_slots, tuple(streams))
 
     @staticmethod
     def _carry(s: StreamSpec, step: _Step) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
