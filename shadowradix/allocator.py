@@ -10,7 +10,7 @@ from typing import NewType
 
 import numpy as np
 
-from .errors import CapacityError, ConfigError
+from .errors import CapacityError, ConfigError, require
 
 #: A page of the virtual full-token slot space (compressed shadows derive from it).
 VirtualPage = NewType("VirtualPage", int)
@@ -79,11 +79,12 @@ class PageAllocator:
     def check_invariants(self, owned: np.ndarray) -> None:
         """``owned``: every page id some owner holds (tree or request), possibly with repeats."""
         free = np.asarray(self._free, dtype=np.int64)
-        assert len(np.unique(free)) == len(free), f"{self.name}: duplicate ids in the free list"
-        assert not self._in_use[free].any(), f"{self.name}: a free page is marked in use"
+        require(len(np.unique(free)) == len(free), f"{self.name}: duplicate ids in the free list")
+        require(not self._in_use[free].any(), f"{self.name}: a free page is marked in use")
         ids, counts = np.unique(owned, return_counts=True)
-        assert (counts == 1).all(), f"{self.name}: page(s) {ids[counts > 1]} owned twice"
-        assert self._in_use[ids].all(), f"{self.name}: an owned page is on the free list"
-        assert len(ids) == self.num_used, (
-            f"{self.name}: {self.num_used} pages in use but {len(ids)} owned (leak)"
+        require((counts == 1).all(), f"{self.name}: page(s) {ids[counts > 1]} owned twice")
+        require(self._in_use[ids].all(), f"{self.name}: an owned page is on the free list")
+        require(
+            len(ids) == self.num_used,
+            f"{self.name}: {self.num_used} pages in use but {len(ids)} owned (leak)",
         )

@@ -158,7 +158,7 @@ class ShadowRadixCache:
                 match.prefix_len,
                 request.vpages[window_first:],
                 window_first,
-                request.swa_pages,
+                list(request.swa_pages),
             )
             request.replay_allocation = self._shadows.allocation(
                 (request.id,), [run], evicted, replay=True

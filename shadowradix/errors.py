@@ -38,3 +38,13 @@ class InvalidRequestError(ShadowRadixError, ValueError):
 
 class StaleMatchError(InvalidRequestError):
     """`admit` got a `MatchResult` taken before the tree last changed; match again."""
+
+
+class InvariantError(ShadowRadixError, AssertionError):
+    """`check_invariants` found the cache in a state it must never reach (a bug)."""
+
+
+def require(condition: object, message: str) -> None:
+    """Raise `InvariantError` unless ``condition`` holds (works under ``python -O`` too)."""
+    if not condition:
+        raise InvariantError(message)

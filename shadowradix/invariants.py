@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .errors import require
 from .node import Node
 from .request import Request
 
@@ -25,7 +26,7 @@ def check_cache(cache: ShadowRadixCache) -> None:
     index.check_invariants(nodes)
     requests = list(cache._requests.values())
     receipts = sum((r.full_receipt is not None) + (r.swa_receipt is not None) for r in requests)
-    assert receipts == len(locks), "live receipts not held by any request"
+    require(receipts == len(locks), "live receipts not held by any request")
     owned_v = [n.vpages for n in nodes] + [np.asarray(r.vpages[r.tree_pages :]) for r in requests]
     cache._full.check_invariants(_concat(owned_v))
     owned_s = [n.swa_pages for n in nodes]
@@ -36,51 +37,53 @@ def check_cache(cache: ShadowRadixCache) -> None:
     stats = cache.stats()
     for name, pool in (("full", stats.full), ("swa", stats.swa)):
         total = pool.free_pages + pool.evictable_pages + pool.protected_pages + pool.held_pages
-        assert pool.free_pages >= 0, f"{name}: more pages in use than capacity"
-        assert total == pool.capacity_pages, (
-            f"{name}: free+evictable+protected+held={total} != {pool.capacity_pages}"
+        require(pool.free_pages >= 0, f"{name}: more pages in use than capacity")
+        require(
+            total == pool.capacity_pages,
+            f"{name}: free+evictable+protected+held={total} != {pool.capacity_pages}",
         )
     for r in requests:
         _check_request(cache, r)
 
 
 def _node_at(terminal: Node, page: int) -> Node:
-    n = terminal
-    while not (n.start_page <= page < n.end_page):
-        assert n.parent is not None, f"page {page} not on the request's path"
+    n: Node | None = terminal
+    while n is not None and not (n.start_page <= page < n.end_page):
         n = n.parent
+    require(n is not None, f"page {page} not on the request's path")
+    assert n is not None
     return n
 
 
 def _check_request(cache: ShadowRadixCache, r: Request) -> None:
     p, w = cache.config.page_size, cache.config.window
-    assert r.is_active and r.owner is cache
+    require(r.is_active and r.owner is cache, f"{r}: registered but not active here")
     n: Node | None = r.terminal
     while n is not None and n.parent is not None:
-        assert n.parent.children.get(n.key) is n, f"{r}: terminal detached from the tree"
+        require(n.parent.children.get(n.key) is n, f"{r}: terminal detached from the tree")
         n = n.parent
-    assert n is cache._tree.root
-    assert r.terminal.end_page == r.tree_pages, f"{r}: terminal does not end its tree prefix"
-    assert (r.full_receipt is not None) == (not r.terminal.is_root), f"{r}: full lock missing"
+    require(n is cache._tree.root, f"{r}: terminal not under this tree's root")
+    require(r.terminal.end_page == r.tree_pages, f"{r}: terminal does not end its tree prefix")
+    require((r.full_receipt is not None) == (not r.terminal.is_root), f"{r}: full lock missing")
     path = r.terminal.path_from_root()
     tree_vpages = _concat([n.vpages for n in path]).tolist()
-    assert r.vpages[: r.tree_pages] == tree_vpages, f"{r}: page table disagrees with its path"
+    require(r.vpages[: r.tree_pages] == tree_vpages, f"{r}: page table disagrees with its path")
     num_pages = -(-len(r.tokens) // p)
-    assert len(r.vpages) == num_pages, f"{r}: {len(r.vpages)} virtual pages for {num_pages}"
-    assert r.tree_pages * p <= r.num_committed, f"{r}: drafts reached the tree"
-    assert r.swa_base + len(r.swa_pages) == num_pages, f"{r}: SWA table does not reach the end"
-    assert len(r.swa_owned) == len(r.swa_pages)
+    require(len(r.vpages) == num_pages, f"{r}: {len(r.vpages)} virtual pages for {num_pages}")
+    require(r.tree_pages * p <= r.num_committed, f"{r}: drafts reached the tree")
+    require(r.swa_base + len(r.swa_pages) == num_pages, f"{r}: SWA table does not reach the end")
+    require(len(r.swa_owned) == len(r.swa_pages), f"{r}: SWA ownership flags out of step")
     # SWA held per request: the window before the last page boundary plus newer pages only.
-    assert r.swa_base == max(0, r.released_at // p * p - w) // p, f"{r}: window not trimmed"
+    require(r.swa_base == max(0, r.released_at // p * p - w) // p, f"{r}: window not trimmed")
     for i, (page_id, own) in enumerate(zip(r.swa_pages, r.swa_owned)):
         k = r.swa_base + i
         if own:
             continue
-        assert k < r.tree_pages, f"{r}: unowned SWA page beyond the tree"
+        require(k < r.tree_pages, f"{r}: unowned SWA page beyond the tree")
         node = _node_at(r.terminal, k)
         local = k - node.start_page
-        assert local >= node.live_from, f"{r}: reads tombstoned SWA at page {k}"
-        assert node.swa_pages[local - node.live_from] == page_id, (
-            f"{r}: SWA table stale at page {k}"
+        require(local >= node.live_from, f"{r}: reads tombstoned SWA at page {k}")
+        require(
+            node.swa_pages[local - node.live_from] == page_id, f"{r}: SWA table stale at page {k}"
         )
-        assert local >= node.protect_from(), f"{r}: reads unprotected SWA at page {k}"
+        require(local >= node.protect_from(), f"{r}: reads unprotected SWA at page {k}")

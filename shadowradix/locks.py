@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import LockError
+from .errors import LockError, require
 from .node import Node
 
 
@@ -114,10 +114,13 @@ class LockTable:
                     per = swa.setdefault(n.id, {})
                     per[r.window_page] = per.get(r.window_page, 0) + 1
         for n in nodes:
-            assert n.full_lock_ref >= 0 and all(c > 0 for c in n.swa_locks.values()), n
-            assert n.full_lock_ref == full.get(n.id, 0), (
-                f"{n}: full_lock_ref disagrees with receipts"
+            require(
+                n.full_lock_ref >= 0 and all(c > 0 for c in n.swa_locks.values()),
+                f"{n}: negative lock count",
             )
-            assert n.swa_locks == swa.get(n.id, {}), f"{n}: swa_locks disagree with receipts"
+            require(
+                n.full_lock_ref == full.get(n.id, 0), f"{n}: full_lock_ref disagrees with receipts"
+            )
+            require(n.swa_locks == swa.get(n.id, {}), f"{n}: swa_locks disagree with receipts")
             if n.swa_locks:
-                assert n.full_lock_ref > 0, f"{n}: SWA-locked but not full-locked"
+                require(n.full_lock_ref > 0, f"{n}: SWA-locked but not full-locked")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from sortedcontainers import SortedList
 
+from .errors import require
 from .node import Node
 
 
@@ -93,20 +94,24 @@ class LruIndex:
         saved = {n.id: (n.acct, n.lru_keys) for n in nodes}
         full_keys, swa_keys = set(self.full), set(self.swa)
         totals = (self.full_evictable, self.full_protected, self.swa_evictable, self.swa_protected)
-        assert set(self.nodes) == {n.id for n in nodes}, "LRU index tracks the wrong node set"
+        require(set(self.nodes) == {n.id for n in nodes}, "LRU index tracks the wrong node set")
         shadow = LruIndex(self.page_size, self.window)
         for n in nodes:
             n.lru_keys, n.acct = (), (0, 0, 0, 0)
             shadow.update(n)
         try:
-            assert set(shadow.full) == full_keys, "full LRU keys are stale"
-            assert set(shadow.swa) == swa_keys, "SWA LRU keys are stale"
-            assert totals == (
-                shadow.full_evictable,
-                shadow.full_protected,
-                shadow.swa_evictable,
-                shadow.swa_protected,
-            ), "evictable / protected page counts drifted"
+            require(set(shadow.full) == full_keys, "full LRU keys are stale")
+            require(set(shadow.swa) == swa_keys, "SWA LRU keys are stale")
+            require(
+                totals
+                == (
+                    shadow.full_evictable,
+                    shadow.full_protected,
+                    shadow.swa_evictable,
+                    shadow.swa_protected,
+                ),
+                "evictable / protected page counts drifted",
+            )
         finally:
             for n in nodes:
                 n.acct, n.lru_keys = saved[n.id]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import require
 from .lru import LruIndex
 from .node import EMPTY, Node
 
@@ -154,10 +155,11 @@ class RadixTree:
         p = self.page_size
         for n in self.nodes():
             parent = n.parent
-            assert parent is not None and parent.children.get(n.key) is n, f"{n}: detached"
-            assert n.num_pages > 0 and len(n.tokens) == n.num_pages * p, f"{n}: ragged"
-            assert n.start_page == parent.end_page, f"{n}: not contiguous with its parent"
-            assert n.key == tuple(n.tokens[:p].tolist()), f"{n}: key is not its first page"
-            assert len(n.swa_pages) <= n.num_pages, f"{n}: more SWA than pages"
+            require(parent is not None and parent.children.get(n.key) is n, f"{n}: detached")
+            assert parent is not None
+            require(n.num_pages > 0 and len(n.tokens) == n.num_pages * p, f"{n}: ragged")
+            require(n.start_page == parent.end_page, f"{n}: not contiguous with its parent")
+            require(n.key == tuple(n.tokens[:p].tolist()), f"{n}: key is not its first page")
+            require(len(n.swa_pages) <= n.num_pages, f"{n}: more SWA than pages")
             if not n.children and not n.full_lock_ref:
-                assert n.lru_keys and len(n.lru_keys[0]) == 2, f"{n}: evictable leaf not indexed"
+                require(n.lru_keys and len(n.lru_keys[0]) == 2, f"{n}: evictable leaf not indexed")

@@ -60,7 +60,7 @@ class StreamWrites:
     later step or a match can still need, so no two collide). ``carry_positions`` / ``carry_rows`` /
     ``carry_request``: in-flight rows from earlier steps that the groups completing now read.
     ``entry_groups`` / ``entry_slots`` / ``entry_request``: compressed entries completed now
-    (group index within its request, pool slot, index into ``Allocation.requests``).
+    (group index within its request, pool slot, index into ``Allocation.request_ids``).
     """
 
     ratio: int

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from ..config import CacheConfig
 
-PAGE_SIZES = (1, 2, 4, 8, 16, 64, 256)
+PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 @st.composite
@@ -16,7 +16,7 @@ def cache_configs(
     """Tiny pools (so eviction is constant), every supported page size from 1 to 256, and both
     toy ratios/windows and the real 128/4/128."""
     page = draw(st.sampled_from(PAGE_SIZES))
-    if page >= 64 or draw(st.booleans()):
+    if page >= 32 or draw(st.booleans()):
         window, ratios, overlap = 128, (0, 4, 128), (4,)
     else:
         c4 = draw(st.sampled_from((2, 4)))
