@@ -32,6 +32,12 @@ from .shadows import Run, Shadows
 
 TokenInput = Sequence[int] | np.ndarray
 _NO_EVICTION = EvictionReport()
+_MAX_TOKEN = 2**63 - 1
+
+
+def _is_count(value: object) -> bool:
+    """A plain non-negative int (not a bool, float or string)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
 
 
 class ShadowRadixCache:
@@ -81,6 +87,7 @@ class ShadowRadixCache:
                 walk.last_pages,
                 self._tree.version,
                 arr,
+                self,
             )
         source = WindowSource.LIVE if prefix_len else WindowSource.NONE
         return MatchResult(
@@ -94,6 +101,7 @@ class ShadowRadixCache:
             node_pages,
             self._tree.version,
             arr,
+            self,
         )
 
     def _deepest_live(self, walk: Walk) -> tuple[Node, int]:
@@ -173,6 +181,8 @@ class ShadowRadixCache:
         return request
 
     def _check_match(self, arr: np.ndarray, match: MatchResult) -> None:
+        if match.owner is not self:
+            raise InvalidRequestError("this MatchResult was taken from another cache")
         if match.version != self._tree.version:
             raise StaleMatchError("the tree changed since this match was taken; match again")
         n = match.prefix_len
@@ -373,7 +383,7 @@ class ShadowRadixCache:
         the draft's allocation had to evict): rejected pages go back on top of the free stacks.
         """
         self._check_active(request)
-        if not 0 <= num_tokens <= request.num_draft:
+        if not _is_count(num_tokens) or not num_tokens <= request.num_draft:
             raise InvalidRequestError(
                 f"can roll back 0..{request.num_draft} draft tokens, not {num_tokens}"
             )
@@ -511,8 +521,8 @@ class ShadowRadixCache:
         Full eviction removes LRU unlocked leaves; SWA eviction tombstones the oldest
         unprotected pages, heads of nodes before any branch's tail window.
         """
-        if full_tokens < 0 or swa_tokens < 0:
-            raise InvalidRequestError("eviction sizes must be non-negative")
+        if not (_is_count(full_tokens) and _is_count(swa_tokens)):
+            raise InvalidRequestError("eviction sizes must be non-negative ints (tokens)")
         p = self.config.page_size
         report = self._evict_full(-(-full_tokens // p)) + self._evict_swa(-(-swa_tokens // p))
         self._debug_check()
@@ -577,6 +587,8 @@ class ShadowRadixCache:
             if value is None:
                 targets.append(alloc.capacity)
                 continue
+            if not _is_count(value):
+                raise ConfigError(f"{name} capacity must be an int number of tokens, got {value!r}")
             if value <= 0 or value % p or value // p > alloc.max_pages:
                 raise ConfigError(
                     f"{name} capacity must be a multiple of {p} in (0, {alloc.max_pages * p}]"
@@ -656,8 +668,10 @@ class ShadowRadixCache:
             return None
         out = []
         for t in tokens:
-            if type(t) is not list or len(t) != 1 or type(t[0]) is not int or t[0] < 0:
+            if type(t) is not list or len(t) != 1 or type(t[0]) is not int:
                 return None
+            if not 0 <= t[0] <= _MAX_TOKEN:
+                raise InvalidRequestError(f"token ids must be in [0, 2**63), got {t[0]}")
             out.append(t[0])
         return out
 
@@ -671,8 +685,8 @@ class ShadowRadixCache:
             raise InvalidRequestError(f"{what} must be a non-empty 1-D sequence of ints")
         if arr.dtype.kind not in "iu":
             raise InvalidRequestError(f"{what} must be integers, got dtype {arr.dtype}")
-        if arr.min() < 0:
-            raise InvalidRequestError(f"{what} must be non-negative token ids")
+        if arr.min() < 0 or (arr.dtype.kind == "u" and arr.max() > _MAX_TOKEN):
+            raise InvalidRequestError(f"{what} must be token ids in [0, 2**63)")
         return arr.astype(np.int64, copy=False)
 
     def _debug_check(self) -> None:

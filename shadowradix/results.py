@@ -42,6 +42,8 @@ class MatchResult:
     node_pages: int
     version: int
     tokens: np.ndarray = field(repr=False)
+    #: the cache that produced the match (`admit` refuses another cache's match)
+    owner: object = field(repr=False, default=None)
 
     @property
     def replayed_len(self) -> int:
