@@ -37,7 +37,7 @@ _MAX_TOKEN = 2**63 - 1
 
 def _is_count(value: object) -> bool:
     """A plain non-negative int (not a bool, float or string)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value >= 0)
 
 
 class ShadowRadixCache:
