@@ -451,7 +451,7 @@ class ShadowRadixCache:
                 node = self._tree.split(child, walk.last_pages)
             self._adopt_tree_pages(request, node)
         if node.end_page < full_pages:
-            node = self._add_leaf(request, node, tokens, full_pages)
+            node = self._grow_tree(request, node, tokens, full_pages)
         request.tree_pages = full_pages
         old_full, request.terminal = request.full_receipt, node
         request.full_receipt = self._locks.lock_full(node)
@@ -483,9 +483,13 @@ class ShadowRadixCache:
             request.swa_owned[first - base : live_abs - base] = [False] * len(revived)
             self._tree.revive(node, np.asarray(revived, dtype=np.int64))
 
-    def _add_leaf(
+    def _grow_tree(
         self, request: Request, parent: Node, tokens: np.ndarray, full_pages: int
     ) -> Node:
+        """Hand the request's private pages ``[parent.end_page, full_pages)`` to the tree: as a
+        new leaf, or appended to ``parent`` when that is a leaf this request inserted itself
+        and alone holds (a request's successive inserts make one node, not a chain; another
+        request's node is never extended, so its end stays a node boundary for LRU tiers)."""
         p, lo = self.config.page_size, parent.end_page
         live_lo = max(lo, request.swa_base)
         i0, i1 = live_lo - request.swa_base, full_pages - request.swa_base
@@ -495,7 +499,14 @@ class ShadowRadixCache:
             assert all(request.swa_owned[i0:i1]), "private pages beyond the tree must be owned"
             request.swa_owned[i0:i1] = [False] * (i1 - i0)
         vpages = np.asarray(request.vpages[lo:full_pages], dtype=np.int64)
-        return self._tree.add_leaf(parent, tokens[lo * p : full_pages * p].copy(), vpages, swa)
+        new_tokens = tokens[lo * p : full_pages * p].copy()
+        suffix_ok = len(parent.swa_pages) == 0 or live_lo == lo
+        own = parent is request.own_leaf and not parent.children and parent.full_lock_ref == 1
+        if own and suffix_ok:
+            self._tree.extend_leaf(parent, new_tokens, vpages, swa)
+            return parent
+        request.own_leaf = self._tree.add_leaf(parent, new_tokens, vpages, swa)
+        return request.own_leaf
 
     def _release(self, request: Request, state: RequestState) -> None:
         for receipt in (request.swa_receipt, request.full_receipt):

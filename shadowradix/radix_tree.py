@@ -116,8 +116,25 @@ class RadixTree:
         parent.children[key] = leaf
         self.version += 1
         self.index.update(leaf)
-        self.index.update(parent)
+        if len(parent.children) == 1:
+            self.index.update(parent)  # it stopped being a leaf
         return leaf
+
+    def extend_leaf(
+        self, leaf: Node, tokens: np.ndarray, vpages: np.ndarray, swa_pages: np.ndarray
+    ) -> None:
+        """Append pages to a leaf instead of hanging a one-holder chain of nodes under it.
+
+        ``swa_pages`` is the live suffix of the new pages; the caller guarantees the result is
+        still a suffix (new pages fully live, or the leaf had no live page).
+        """
+        assert not leaf.children and leaf.parent is not None
+        assert len(leaf.swa_pages) == 0 or len(swa_pages) == len(vpages)
+        leaf.tokens = np.concatenate((leaf.tokens, tokens))
+        leaf.vpages = np.concatenate((leaf.vpages, vpages))
+        leaf.swa_pages = np.concatenate((leaf.swa_pages, swa_pages))
+        self.version += 1
+        self.index.update(leaf)
 
     def remove_leaf(self, leaf: Node) -> tuple[np.ndarray, np.ndarray]:
         """Detach an unlocked leaf; returns its (virtual pages, live SWA pages) to free."""

@@ -52,6 +52,7 @@ class Request:
         "state",
         "replay_allocation",
         "released_at",
+        "own_leaf",
     )
 
     def __init__(self, owner: object, prompt: np.ndarray, match: MatchResult) -> None:
@@ -76,6 +77,8 @@ class Request:
         self.replay_allocation: Allocation | None = None
         #: length at which the window was last trimmed
         self.released_at = match.prefix_len
+        #: the leaf this request last inserted (its later inserts extend it in place)
+        self.own_leaf: Node | None = None
 
     @property
     def length(self) -> int:

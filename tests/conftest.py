@@ -15,7 +15,7 @@ settings.register_profile(
 )
 settings.register_profile(
     "thorough",
-    max_examples=int(os.environ.get("SHADOWRADIX_THOROUGH_EXAMPLES", "10000")),
+    max_examples=int(os.environ.get("SHADOWRADIX_THOROUGH_EXAMPLES", "4500")),
     stateful_step_count=100,
     deadline=None,
     print_blob=True,
