@@ -33,7 +33,6 @@ class PageAllocator:
         self.capacity = capacity
         # Low ids on top of the stack, so small runs stay dense.
         self._free: list[int] = list(range(max_pages - 1, -1, -1))
-        self._in_use = np.zeros(max_pages, dtype=bool)
 
     @property
     def num_used(self) -> int:
@@ -52,14 +51,10 @@ class PageAllocator:
             return []
         pages = self._free[-num_pages:][::-1]
         del self._free[-num_pages:]
-        self._in_use[pages] = True
         return pages
 
     def free(self, pages: list[int]) -> None:
         """Return pages in any order."""
-        if not pages:
-            return
-        self._in_use[pages] = False
         self._free.extend(pages)
 
     def give_back(self, pages: list[int]) -> None:
@@ -77,13 +72,17 @@ class PageAllocator:
         return tuple(self._free)
 
     def check_invariants(self, owned: np.ndarray) -> None:
-        """``owned``: every page id some owner holds (tree or request), possibly with repeats."""
+        """``owned``: every page id some owner holds (tree or request), possibly with repeats.
+
+        Free list and owners must partition the pages in use: no duplicate on the free list,
+        no page owned twice, no owned page on the free list, and no page lost (a leak)."""
         free = np.asarray(self._free, dtype=np.int64)
         require(len(np.unique(free)) == len(free), f"{self.name}: duplicate ids in the free list")
-        require(not self._in_use[free].any(), f"{self.name}: a free page is marked in use")
+        require(bool(((free >= 0) & (free < self.max_pages)).all()), f"{self.name}: bad id freed")
         ids, counts = np.unique(owned, return_counts=True)
+        require(bool(((ids >= 0) & (ids < self.max_pages)).all()), f"{self.name}: bad id owned")
         require((counts == 1).all(), f"{self.name}: page(s) {ids[counts > 1]} owned twice")
-        require(self._in_use[ids].all(), f"{self.name}: an owned page is on the free list")
+        require(not np.isin(ids, free).any(), f"{self.name}: an owned page is on the free list")
         require(
             len(ids) == self.num_used,
             f"{self.name}: {self.num_used} pages in use but {len(ids)} owned (leak)",
