@@ -35,9 +35,12 @@ _NO_EVICTION = EvictionReport()
 _MAX_TOKEN = 2**63 - 1
 
 
-def _is_count(value: object) -> bool:
-    """A plain non-negative int (not a bool, float or string)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value >= 0)
+def _as_count(value: object) -> int | None:
+    """``value`` as a plain non-negative int, or ``None`` if it is not a count (bools, floats,
+    strings, negatives; NumPy integers are converted so that no unsigned arithmetic wraps)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        return None
+    return int(value)
 
 
 class ShadowRadixCache:
@@ -57,7 +60,8 @@ class ShadowRadixCache:
         self._locks = LockTable(self._index.update)
         self._shadows = Shadows(config)
         self._requests: dict[int, Request] = {}
-        self._prompt_tokens = self._hit_tokens = self._replayed_tokens = self._replayed_hits = 0
+        self._prompt_tokens = self._hit_tokens = self._replayed_tokens = 0
+        self._replayed_hits = self._approximate_hits = 0
         self._evicted = EvictionReport()
 
     # -- matching and admission ------------------------------------------------------------------
@@ -87,6 +91,7 @@ class ShadowRadixCache:
                 walk.last_pages,
                 self._tree.version,
                 arr,
+                True,
                 self,
             )
         source = WindowSource.LIVE if prefix_len else WindowSource.NONE
@@ -101,8 +106,21 @@ class ShadowRadixCache:
             node_pages,
             self._tree.version,
             arr,
+            self._any_approximate(walk, node),
             self,
         )
+
+    @staticmethod
+    def _any_approximate(walk: Walk, end: Node) -> bool:
+        """Whether the matched path down to ``end`` holds replay-derived state."""
+        if end.is_root:
+            return False
+        for n in walk.nodes:
+            if n.approximate:
+                return True
+            if n is end:
+                break
+        return False
 
     def _deepest_live(self, walk: Walk) -> tuple[Node, int]:
         """Deepest boundary of ``walk`` whose window is live SWA, as (node, pages into it).
@@ -181,6 +199,8 @@ class ShadowRadixCache:
         return request
 
     def _check_match(self, arr: np.ndarray, match: MatchResult) -> None:
+        if not isinstance(match, MatchResult):
+            raise InvalidRequestError(f"expected a MatchResult, got {type(match).__name__}")
         if match.owner is not self:
             raise InvalidRequestError("this MatchResult was taken from another cache")
         if match.version != self._tree.version:
@@ -209,6 +229,7 @@ class ShadowRadixCache:
         self._hit_tokens += match.hit_len
         self._replayed_tokens += match.replayed_len
         self._replayed_hits += int(match.is_replay)
+        self._approximate_hits += int(match.approximate and match.hit_len > 0)
 
     # -- extension ---------------------------------------------------------------------------
 
@@ -383,10 +404,12 @@ class ShadowRadixCache:
         the draft's allocation had to evict): rejected pages go back on top of the free stacks.
         """
         self._check_active(request)
-        if not _is_count(num_tokens) or not num_tokens <= request.num_draft:
+        count = _as_count(num_tokens)
+        if count is None or count > request.num_draft:
             raise InvalidRequestError(
-                f"can roll back 0..{request.num_draft} draft tokens, not {num_tokens}"
+                f"can roll back 0..{request.num_draft} draft tokens, not {num_tokens!r}"
             )
+        num_tokens = count
         p = self.config.page_size
         start = request.length - request.num_draft
         accepted = request.num_draft - num_tokens
@@ -467,6 +490,7 @@ class ShadowRadixCache:
         replay: replayed pages lie before the request's first insert point).
         """
         lo, hi, base = node.start_page, node.end_page, request.swa_base
+        request.approximate |= node.approximate  # it now reads that node's state
         self._full.free(request.vpages[lo:hi])
         request.vpages[lo:hi] = node.vpages.tolist()
         live_abs = hi - len(node.swa_pages)
@@ -477,7 +501,7 @@ class ShadowRadixCache:
                 request.swa_pages[i] = int(node.swa_pages[k - live_abs])
                 request.swa_owned[i] = False
         first = max(lo, base)
-        if first < live_abs:
+        if first < live_abs and (node.approximate or not request.approximate):
             revived = request.swa_pages[first - base : live_abs - base]
             assert all(request.swa_owned[first - base : live_abs - base])
             request.swa_owned[first - base : live_abs - base] = [False] * len(revived)
@@ -500,13 +524,27 @@ class ShadowRadixCache:
             request.swa_owned[i0:i1] = [False] * (i1 - i0)
         vpages = np.asarray(request.vpages[lo:full_pages], dtype=np.int64)
         new_tokens = tokens[lo * p : full_pages * p].copy()
-        suffix_ok = len(parent.swa_pages) == 0 or live_lo == lo
-        own = parent is request.own_leaf and not parent.children and parent.full_lock_ref == 1
-        if own and suffix_ok:
+        if self._can_extend_own_leaf(request, parent, live_lo == lo):
             self._tree.extend_leaf(parent, new_tokens, vpages, swa)
             return parent
-        request.own_leaf = self._tree.add_leaf(parent, new_tokens, vpages, swa)
+        request.own_leaf = self._tree.add_leaf(
+            parent, new_tokens, vpages, swa, approximate=request.approximate
+        )
         return request.own_leaf
+
+    def _can_extend_own_leaf(self, request: Request, leaf: Node, new_pages_live: bool) -> bool:
+        """Append to ``leaf`` only if this request inserted it, alone holds it, its end is past
+        the prompt (the prompt's end stays a node boundary, so its window keeps the tail-window
+        eviction tier for branches such as regenerations), it has the same replay lineage, and
+        live SWA stays a suffix."""
+        return (
+            leaf is request.own_leaf
+            and not leaf.children
+            and leaf.full_lock_ref == 1
+            and leaf.end_page * self.config.page_size > len(request.prompt)
+            and leaf.approximate == request.approximate
+            and (new_pages_live or len(leaf.swa_pages) == 0)
+        )
 
     def _release(self, request: Request, state: RequestState) -> None:
         for receipt in (request.swa_receipt, request.full_receipt):
@@ -532,10 +570,11 @@ class ShadowRadixCache:
         Full eviction removes LRU unlocked leaves; SWA eviction tombstones the oldest
         unprotected pages, heads of nodes before any branch's tail window.
         """
-        if not (_is_count(full_tokens) and _is_count(swa_tokens)):
+        full, swa = _as_count(full_tokens), _as_count(swa_tokens)
+        if full is None or swa is None:
             raise InvalidRequestError("eviction sizes must be non-negative ints (tokens)")
         p = self.config.page_size
-        report = self._evict_full(-(-full_tokens // p)) + self._evict_swa(-(-swa_tokens // p))
+        report = self._evict_full(-(-full // p)) + self._evict_swa(-(-swa // p))
         self._debug_check()
         return report
 
@@ -598,13 +637,14 @@ class ShadowRadixCache:
             if value is None:
                 targets.append(alloc.capacity)
                 continue
-            if not _is_count(value):
+            count = _as_count(value)
+            if count is None:
                 raise ConfigError(f"{name} capacity must be an int number of tokens, got {value!r}")
-            if value <= 0 or value % p or value // p > alloc.max_pages:
+            if count == 0 or count % p or count // p > alloc.max_pages:
                 raise ConfigError(
                     f"{name} capacity must be a multiple of {p} in (0, {alloc.max_pages * p}]"
                 )
-            targets.append(value // p)
+            targets.append(count // p)
         if targets[1] < self.config.window_pages + 1:
             raise ConfigError("swa capacity must hold at least one request's window")
         excess = [max(0, a.num_used - t) for a, t in zip((self._full, self._swa), targets)]
@@ -653,6 +693,7 @@ class ShadowRadixCache:
             hit_tokens=self._hit_tokens,
             replayed_tokens=self._replayed_tokens,
             replayed_hits=self._replayed_hits,
+            approximate_hits=self._approximate_hits,
             evicted=self._evicted,
             min_hit_granularity=self.config.min_hit_granularity,
         )
@@ -674,8 +715,9 @@ class ShadowRadixCache:
         """The tokens of a decode step (one valid token per request), else ``None``."""
         if isinstance(tokens, np.ndarray):
             if tokens.ndim == 2 and tokens.shape[1] == 1 and tokens.dtype.kind in "iu":
-                if len(tokens) and tokens.min() >= 0:
-                    return tokens[:, 0].tolist()  # type: ignore[no-any-return]
+                if len(tokens) and (tokens.min() < 0 or tokens.max() > _MAX_TOKEN):
+                    raise InvalidRequestError("token ids must be in [0, 2**63)")
+                return tokens[:, 0].tolist()  # type: ignore[no-any-return]
             return None
         out = []
         for t in tokens:

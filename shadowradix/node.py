@@ -35,6 +35,7 @@ class Node:
         "last_access",
         "acct",
         "lru_keys",
+        "approximate",
     )
 
     def __init__(
@@ -61,6 +62,8 @@ class Node:
         #: (full evictable, full protected, swa evictable, swa protected) pages, as indexed
         self.acct = (0, 0, 0, 0)
         self.lru_keys: tuple[tuple[int, ...], ...] = ()
+        #: computed downstream of a bounded replay (not bit-identical to a cold prefill)
+        self.approximate = False
 
     @property
     def num_pages(self) -> int:

@@ -93,6 +93,7 @@ class RadixTree:
         upper.full_lock_ref = node.full_lock_ref
         upper.swa_locks = {w: c for w, c in node.swa_locks.items() if w < upper.end_page}
         upper.last_access = node.last_access
+        upper.approximate = node.approximate
         node.parent.children[node.key] = upper  # type: ignore[union-attr]
         node.tokens = node.tokens[num_pages * p :]
         node.vpages = node.vpages[num_pages:]
@@ -107,12 +108,18 @@ class RadixTree:
         return upper
 
     def add_leaf(
-        self, parent: Node, tokens: np.ndarray, vpages: np.ndarray, swa_pages: np.ndarray
+        self,
+        parent: Node,
+        tokens: np.ndarray,
+        vpages: np.ndarray,
+        swa_pages: np.ndarray,
+        approximate: bool = False,
     ) -> Node:
         key = tuple(tokens[: self.page_size].tolist())
         assert key not in parent.children
         leaf = Node(parent, tokens, parent.end_page, vpages, swa_pages, key)
         leaf.last_access = self.clock
+        leaf.approximate = approximate
         parent.children[key] = leaf
         self.version += 1
         self.index.update(leaf)

@@ -53,6 +53,7 @@ class Request:
         "replay_allocation",
         "released_at",
         "own_leaf",
+        "approximate",
     )
 
     def __init__(self, owner: object, prompt: np.ndarray, match: MatchResult) -> None:
@@ -79,6 +80,8 @@ class Request:
         self.released_at = match.prefix_len
         #: the leaf this request last inserted (its later inserts extend it in place)
         self.own_leaf: Node | None = None
+        #: reads state derived from a bounded replay (its own, or a cached one it reused)
+        self.approximate = match.approximate
 
     @property
     def length(self) -> int:

@@ -42,6 +42,9 @@ class MatchResult:
     node_pages: int
     version: int
     tokens: np.ndarray = field(repr=False)
+    #: the reused prefix holds state derived from a bounded replay (this one or an earlier
+    #: request's): reuse is then not bit-identical to recomputation
+    approximate: bool = False
     #: the cache that produced the match (`admit` refuses another cache's match)
     owner: object = field(repr=False, default=None)
 
@@ -232,6 +235,8 @@ class CacheStats:
     hit_tokens: int
     replayed_tokens: int
     replayed_hits: int
+    #: admissions whose reused prefix was derived from a replay (includes ``replayed_hits``)
+    approximate_hits: int
     evicted: EvictionReport
     min_hit_granularity: int
 

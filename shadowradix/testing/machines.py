@@ -35,7 +35,7 @@ from ..cache import ShadowRadixCache
 from ..config import CacheConfig
 from ..errors import CapacityError
 from ..request import Request
-from ..results import WindowSource
+from ..results import Allocation, WindowSource
 from .oracle import FingerprintOracle
 from .snapshot import snapshot
 from .strategies import cache_configs
@@ -73,6 +73,11 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _tokens_of(self, allocation_ids: tuple[int, ...]) -> dict[int, list[int]]:
         return {rid: self.live[rid].tokens for rid in allocation_ids}
+
+    def _write(self, allocation: Allocation) -> None:
+        ids = allocation.request_ids
+        approximate = {rid for rid in ids if self.live[rid].approximate}
+        self.oracle.write(allocation, self._tokens_of(ids), approximate)
 
     def _expect_unchanged(self, before: tuple, err: CapacityError) -> None:
         note(f"rejected: {err}")
@@ -116,7 +121,7 @@ class CacheMachine(RuleBasedStateMachine):
             f"admit r{request.id}: len={len(prompt)} {match.window.value} prefix={match.prefix_len}"
         )
         if request.replay_allocation is not None:
-            self.oracle.write(request.replay_allocation, self._tokens_of((request.id,)))
+            self._write(request.replay_allocation)
         return request
 
     @rule(
@@ -166,7 +171,7 @@ class CacheMachine(RuleBasedStateMachine):
         note(f"extend {[r.id for r in batch]} by {[len(t) for t in tokens]}")
         if allocation.evicted.nodes_removed or allocation.evicted.nodes_tombstoned:
             event("extend evicted")
-        self.oracle.write(allocation, self._tokens_of(allocation.request_ids))
+        self._write(allocation)
         return True
 
     @precondition(lambda self: self.config.speculative and self.live)
@@ -186,7 +191,7 @@ class CacheMachine(RuleBasedStateMachine):
         except CapacityError as err:
             self._expect_unchanged(before, err)
             return
-        self.oracle.write(allocation, self._tokens_of(allocation.request_ids))
+        self._write(allocation)
         self.cache.rollback(request, len(draft) - accepted)
         note(f"draft r{request.id}: {len(draft)} drafted, {accepted} accepted")
         event(
@@ -255,7 +260,8 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def reads_match_recomputation(self) -> None:
         for request in self.live.values():
-            self.oracle.check_reads(self.cache.read_plan(request), request.tokens, request.id)
+            plan = self.cache.read_plan(request)
+            self.oracle.check_reads(plan, request.tokens, request.id, request.approximate)
 
     @invariant()
     def locked_prefixes_stay_matchable(self) -> None:

@@ -9,10 +9,11 @@ Bounded-replay writes are marked approximate and may only be read by the request
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from ..config import CacheConfig
-from ..results import Allocation, ReadPlan
+from ..results import Allocation, ReadPlan, StreamWrites
 
 
 class OracleViolation(AssertionError):
@@ -42,23 +43,38 @@ class FingerprintOracle:
         self.entries: dict[int, dict[int, Fingerprint]] = {r: {} for r in config.ratios}
         self.reads = 0
 
-    def write(self, allocation: Allocation, tokens_by_request: dict[int, list[int]]) -> None:
-        """Apply an allocation; ``tokens_by_request`` holds each request's full token list."""
+    def write(
+        self,
+        allocation: Allocation,
+        tokens_by_request: dict[int, list[int]],
+        approximate: Collection[int] = (),
+    ) -> None:
+        """Apply an allocation; ``tokens_by_request`` holds each request's full token list.
+
+        Writes of a replay, and of the requests in ``approximate`` (whose state derives from a
+        replay), are marked approximate: only approximate readers may read them."""
         hashes = {rid: prefix_hashes(tokens_by_request[rid]) for rid in allocation.request_ids}
         offsets = allocation.token_offsets
-        approx = allocation.replay
+        approx = {
+            rid: rid if allocation.replay or rid in approximate else None
+            for rid in allocation.request_ids
+        }
         for i, rid in enumerate(allocation.request_ids):
             h = hashes[rid]
             sl = slice(offsets[i], offsets[i + 1])
             for pos, slot in zip(
                 allocation.positions[sl].tolist(), allocation.swa_slots[sl].tolist()
             ):
-                self.swa[slot] = Fingerprint(h[pos], rid if approx else None)
+                self.swa[slot] = Fingerprint(h[pos], approx[rid])
         for s in allocation.streams:
             self._write_stream(s, allocation, hashes, approx)
 
     def _write_stream(
-        self, s, allocation: Allocation, hashes: dict[int, list[int]], approx: bool
+        self,
+        s: StreamWrites,
+        allocation: Allocation,
+        hashes: dict[int, list[int]],
+        approx: dict[int, int | None],
     ) -> None:
         rids = allocation.request_ids
         ring = self.rings[s.ratio]
@@ -66,10 +82,12 @@ class FingerprintOracle:
         for req, pos, row in zip(
             s.carry_request.tolist(), s.carry_positions.tolist(), s.carry_rows.tolist()
         ):
+            rid = rids[req]
             self._expect(
                 ring.get(row),
-                hashes[rids[req]][pos],
-                rids[req],
+                hashes[rid][pos],
+                rid,
+                approx[rid] is not None or None,
                 f"C{s.ratio} carry row {row} (pos {pos})",
             )
         self._check_group_inputs(s, allocation)
@@ -79,13 +97,15 @@ class FingerprintOracle:
         for req, pos, row in zip(
             s.ring_request.tolist(), s.ring_positions.tolist(), s.ring_rows.tolist()
         ):
-            ring[row] = Fingerprint(hashes[rids[req]][pos], rids[req] if approx else None)
+            ring[row] = Fingerprint(hashes[rids[req]][pos], approx[rids[req]])
         # 3. completed entries
         r = s.ratio
         for req, g, slot in zip(
             s.entry_request.tolist(), s.entry_groups.tolist(), s.entry_slots.tolist()
         ):
-            self.entries[r][slot] = Fingerprint(hashes[rids[req]][(g + 1) * r - 1])
+            self.entries[r][slot] = Fingerprint(
+                hashes[rids[req]][(g + 1) * r - 1], approx[rids[req]]
+            )
 
     def _check_group_inputs(self, s, allocation: Allocation) -> None:
         """Each completed group's rows are either carried in or computed in this step."""
@@ -104,31 +124,44 @@ class FingerprintOracle:
                     f"C{r} group {g}: in-flight rows {sorted(needed)} not carried in"
                 )
 
-    def check_reads(self, plan: ReadPlan, tokens: list[int], request_id: int) -> None:
-        """Every slot a forward at ``plan.length`` would read holds recomputation's value."""
+    def check_reads(
+        self,
+        plan: ReadPlan,
+        tokens: list[int],
+        request_id: int,
+        approximate: bool | None = None,
+    ) -> None:
+        """Every slot a forward at ``plan.length`` would read holds recomputation's value.
+
+        ``approximate``: whether the reader knows its state derives from a replay (then it may
+        read approximate writes); ``None``: only the approximate writer itself may read them."""
         h = prefix_hashes(tokens[: plan.length])
+        rid, ok = request_id, approximate
         for pos, slot in zip(plan.swa_positions.tolist(), plan.swa_slots.tolist()):
-            self._expect(self.swa.get(slot), h[pos], request_id, f"SWA slot {slot} (pos {pos})")
+            self._expect(self.swa.get(slot), h[pos], rid, ok, f"SWA slot {slot} (pos {pos})")
         for s in plan.streams:
             r = s.ratio
             for g, slot in enumerate(s.entry_slots.tolist()):
                 self._expect(
-                    self.entries[r].get(slot),
-                    h[(g + 1) * r - 1],
-                    request_id,
-                    f"C{r} entry {g} slot {slot}",
+                    self.entries[r].get(slot), h[(g + 1) * r - 1], rid, ok, f"C{r} entry {g}"
                 )
             for pos, row in zip(s.inflight_positions.tolist(), s.inflight_rows.tolist()):
-                self._expect(
-                    self.rings[r].get(row), h[pos], request_id, f"C{r} ring row {row} (pos {pos})"
-                )
+                self._expect(self.rings[r].get(row), h[pos], rid, ok, f"C{r} ring row {row}")
         self.reads += 1
 
     @staticmethod
-    def _expect(found: Fingerprint | None, expected: int, reader: int, what: str) -> None:
+    def _expect(
+        found: Fingerprint | None,
+        expected: int,
+        reader: int,
+        reader_approximate: bool | None,
+        what: str,
+    ) -> None:
         if found is None or found.prefix_hash != expected:
             raise OracleViolation(f"{what}: holds {found}, recomputation gives {expected}")
-        if found.approx_writer is not None and found.approx_writer != reader:
-            raise OracleViolation(
-                f"{what}: request {reader} reads request {found.approx_writer}'s replay"
-            )
+        if found.approx_writer is None or found.approx_writer == reader or reader_approximate:
+            return
+        raise OracleViolation(
+            f"{what}: request {reader} reads replay-derived state of request "
+            f"{found.approx_writer} without being flagged approximate"
+        )
