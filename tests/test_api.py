@@ -551,3 +551,52 @@ def test_all_errors_are_shadowradix_errors() -> None:
     assert issubclass(StaleMatchError, InvalidRequestError)
     e = CapacityError("swa", 3, 1)
     assert (e.pool, e.needed_pages, e.available_pages) == ("swa", 3, 1)
+
+
+def _tiny_spec_cache() -> ShadowRadixCache:
+    return ShadowRadixCache(
+        CacheConfig(
+            page_size=4,
+            window=8,
+            compress_ratios=(0, 4, 8),
+            overlap_ratios=(4,),
+            full_capacity=4 * 64,
+            swa_capacity=4 * 40,
+            speculative=True,
+            debug=True,
+        )
+    )
+
+
+def test_uint64_decode_batch_beyond_int64_rejected_unchanged() -> None:
+    c = _tiny_spec_cache()
+    r = c.admit(list(range(1, 9)))
+    c.extend(r, list(range(1, 9)))  # the next token opens a new page
+    assert_rejected(
+        c, InvalidRequestError, c.extend_batch, [r], np.array([[2**63]], dtype=np.uint64)
+    )
+
+
+def test_numpy_unsigned_sizes_behave_like_ints() -> None:
+    """Sizes given as numpy unsigned ints must not wrap (rollback leaked, evict emptied)."""
+    c = _tiny_spec_cache()
+    r = c.admit(list(range(1, 11)))
+    c.extend(r, list(range(1, 11)))
+    c.extend_draft(r, [5, 5, 5])
+    c.rollback(r, np.uint64(3))
+    assert r.length == 10 and len(r.vpages) == 3
+    c = _tiny_spec_cache()
+    for s in range(4):
+        q = c.admit([s] * 40)
+        c.extend(q, [s] * 40)
+        c.finish(q)
+    report = c.evict(full_tokens=np.uint64(5))
+    assert (report.nodes_removed, report.full_pages) == (1, 10)
+    report = c.rebalance(full_capacity=np.uint64(256), swa_capacity=np.uint64(160))
+    assert report.nodes_removed == 0
+    c.check_invariants()
+
+
+def test_admit_rejects_something_that_is_not_a_match() -> None:
+    c = _tiny_spec_cache()
+    assert_rejected(c, InvalidRequestError, c.admit, [1, 2, 3], "not a match")

@@ -109,3 +109,21 @@ def test_locked_prefix_is_never_evicted_and_exhaustion_is_clean() -> None:
         raise AssertionError("expected CapacityError")
     assert snapshot(cache) == before
     assert cache.match_prefix(_seq(30, 40)).cached_len == 40
+
+
+def test_prompt_end_stays_a_tail_window_after_decoding() -> None:
+    """A request's decoded pages may extend its own leaf, but never across the prompt's end:
+    the window before the prompt's end keeps the tail tier (regenerations branch there)."""
+    cache = _cache(swa_pages=40)
+    a = [1] * 3 + list(range(100, 121))
+    b = [2] * 3 + list(range(200, 221))
+    r = cache.admit(a)
+    cache.extend(r, r.prompt_remaining)
+    cache.cache_unfinished(r)
+    for _ in range(12):
+        cache.extend(r, [7])
+    cache.finish(r)
+    _serve(cache, b)
+    cache.evict(swa_tokens=9 * P)
+    assert cache.match_prefix(a + [9]).prefix_len == 24
+    assert cache.match_prefix(b + [9]).prefix_len == 24
