@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .allocator import PageAllocator, SwaPage, VirtualPage
 from .cache import ShadowRadixCache
-from .config import V4_FLASH_RATIOS, CacheConfig, StreamSpec
+from .config import V4_FLASH_RATIOS, CacheConfig, StreamSpec, split_budget
 from .errors import (
     CapacityError,
     ConfigError,
@@ -63,4 +63,5 @@ __all__ = [
     "V4_FLASH_RATIOS",
     "VirtualPage",
     "WindowSource",
+    "split_budget",
 ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -226,17 +225,36 @@ class CacheConfig:
 
         ``swa_full_tokens_ratio`` is SGLang's knob: SWA tokens per full token. Per-token byte
         costs come from the model (all layers together, compressed pools amortised per token).
+        The slot-id spaces (``max_*_capacity``) are sized for the whole budget going to either
+        pool, so ``cache.rebalance(*split_budget(...))`` can move the split at run time.
         """
-        if total_bytes <= 0 or swa_full_tokens_ratio <= 0:
-            raise ConfigError("total_bytes and swa_full_tokens_ratio must be positive")
-        if full_bytes_per_token <= 0 or swa_bytes_per_token <= 0:
-            raise ConfigError("per-token byte costs must be positive")
-        per_full_token = full_bytes_per_token + swa_full_tokens_ratio * swa_bytes_per_token
-        full_tokens = int(total_bytes // per_full_token)
-        full = full_tokens // page_size * page_size
-        swa = int(full_tokens * swa_full_tokens_ratio) // page_size * page_size
+        full, swa = split_budget(
+            total_bytes, swa_full_tokens_ratio, full_bytes_per_token, swa_bytes_per_token, page_size
+        )
+        kwargs.setdefault(
+            "max_full_capacity", int(total_bytes // full_bytes_per_token) // page_size * page_size
+        )
+        kwargs.setdefault(
+            "max_swa_capacity", int(total_bytes // swa_bytes_per_token) // page_size * page_size
+        )
         return cls(page_size=page_size, full_capacity=full, swa_capacity=swa, **kwargs)  # type: ignore[arg-type]
 
 
-def lcm(*values: int) -> int:
-    return math.lcm(*values) if values else 1
+def split_budget(
+    total_bytes: int,
+    swa_full_tokens_ratio: float,
+    full_bytes_per_token: float,
+    swa_bytes_per_token: float,
+    page_size: int,
+) -> tuple[int, int]:
+    """``(full_capacity, swa_capacity)`` in tokens (whole pages) that fit ``total_bytes`` with
+    ``swa_full_tokens_ratio`` SWA tokens per full token."""
+    if total_bytes <= 0 or swa_full_tokens_ratio <= 0:
+        raise ConfigError("total_bytes and swa_full_tokens_ratio must be positive")
+    if full_bytes_per_token <= 0 or swa_bytes_per_token <= 0:
+        raise ConfigError("per-token byte costs must be positive")
+    per_full_token = full_bytes_per_token + swa_full_tokens_ratio * swa_bytes_per_token
+    full_tokens = int(total_bytes // per_full_token)
+    full = full_tokens // page_size * page_size
+    swa = int(full_tokens * swa_full_tokens_ratio) // page_size * page_size
+    return full, swa

@@ -243,3 +243,13 @@ class CacheStats:
     @property
     def hit_ratio(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens the tree holds (compressed KV reusable), in raw tokens."""
+        return (self.full.evictable_pages + self.full.protected_pages) * self.page_size
+
+    @property
+    def cached_window_tokens(self) -> int:
+        """Tokens of the tree whose SWA is still live (the rest are tombstones)."""
+        return (self.swa.evictable_pages + self.swa.protected_pages) * self.page_size

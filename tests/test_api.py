@@ -600,3 +600,24 @@ def test_numpy_unsigned_sizes_behave_like_ints() -> None:
 def test_admit_rejects_something_that_is_not_a_match() -> None:
     c = _tiny_spec_cache()
     assert_rejected(c, InvalidRequestError, c.admit, [1, 2, 3], "not a match")
+
+
+def test_budget_split_can_be_moved_at_run_time() -> None:
+    """SGLang's swa_full_tokens_ratio, re-balanced while serving within one byte budget."""
+    from shadowradix import split_budget
+
+    kw = dict(full_bytes_per_token=100.0, swa_bytes_per_token=1000.0)
+    cfg = CacheConfig.from_budget(10**8, 0.1, page_size=64, **kw)  # type: ignore[arg-type]
+    assert cfg.max_full_capacity == 10**6 // 64 * 64 and cfg.max_swa_capacity == 10**5 // 64 * 64
+    cache = ShadowRadixCache(cfg)
+    r = cache.admit(list(range(1, 3001)))
+    cache.extend(r, r.prompt_remaining)
+    cache.finish(r)
+    full, swa = split_budget(10**8, 0.5, kw["full_bytes_per_token"], kw["swa_bytes_per_token"], 64)
+    assert full < cfg.full_capacity and swa > cfg.swa_capacity
+    cache.rebalance(full_capacity=full, swa_capacity=swa)
+    stats = cache.stats()
+    assert (stats.full.capacity_pages, stats.swa.capacity_pages) == (full // 64, swa // 64)
+    assert cache.match_prefix(list(range(1, 3001))).cached_len == 2944
+    assert stats.cached_tokens == 2944 and 0 < stats.cached_window_tokens <= 2944
+    cache.check_invariants()
