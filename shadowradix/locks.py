@@ -85,9 +85,6 @@ class LockTable:
             if not n.swa_locks or w < min(n.swa_locks):
                 self._on_change(n)  # the protected range shrank
 
-    def is_live(self, receipt: LockReceipt) -> bool:
-        return self._live.get(receipt.id) is receipt
-
     def _register(self, receipt: LockReceipt) -> LockReceipt:
         self._live[receipt.id] = receipt
         return receipt
