@@ -176,19 +176,7 @@ class ShadowRadixCache:
         self._tree.touch(node.path_from_root())
         request.swa_base = window_first
         if match.is_replay:
-            evicted = self._make_room(0, replay_pages)
-            request.swa_pages = self._swa.allocate(replay_pages)
-            request.swa_owned = [True] * replay_pages
-            run = Run(
-                match.replay_start or 0,
-                match.prefix_len,
-                request.vpages[window_first:],
-                window_first,
-                list(request.swa_pages),
-            )
-            request.replay_allocation = self._shadows.allocation(
-                (request.id,), [run], evicted, replay=True
-            )
+            self._attach_replayed_window(request, replay_pages)
         else:
             request.swa_pages = self._tree_swa_pages(node, window_first, prefix_pages)
             request.swa_owned = [False] * len(request.swa_pages)
@@ -197,6 +185,23 @@ class ShadowRadixCache:
         self._account_admission(arr, match)
         self._debug_check()
         return request
+
+    def _attach_replayed_window(self, request: Request, num_pages: int) -> None:
+        """Private SWA pages for a replayed window, and the `Allocation` that rebuilds it."""
+        evicted = self._make_room(0, num_pages)
+        request.swa_pages = self._swa.allocate(num_pages)
+        request.swa_owned = [True] * num_pages
+        match, first = request.match, request.swa_base
+        run = Run(
+            match.replay_start or 0,
+            match.prefix_len,
+            request.vpages[first:],
+            first,
+            list(request.swa_pages),
+        )
+        request.replay_allocation = self._shadows.allocation(
+            (request.id,), [run], evicted, replay=True
+        )
 
     def _check_match(self, arr: np.ndarray, match: MatchResult) -> None:
         if not isinstance(match, MatchResult):
