@@ -7,6 +7,7 @@ O(pages) in Python; per-token work is vectorised in `shadows`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,6 +33,9 @@ from .shadows import Run, Shadows
 
 TokenInput = Sequence[int] | np.ndarray
 _NO_EVICTION = EvictionReport()
+_log = logging.getLogger("shadowradix")
+#: admissions per window of the zero-hit watchdog (see `_watch_hit_rate`)
+HIT_WATCH_WINDOW = 256
 _MAX_TOKEN = 2**63 - 1
 
 
@@ -62,6 +66,7 @@ class ShadowRadixCache:
         self._requests: dict[int, Request] = {}
         self._prompt_tokens = self._hit_tokens = self._replayed_tokens = 0
         self._replayed_hits = self._approximate_hits = 0
+        self._watch = [0, 0]  # admissions and hit tokens in the current watchdog window
         self._evicted = EvictionReport()
 
     # -- matching and admission ------------------------------------------------------------------
@@ -235,6 +240,25 @@ class ShadowRadixCache:
         self._replayed_tokens += match.replayed_len
         self._replayed_hits += int(match.is_replay)
         self._approximate_hits += int(match.approximate and match.hit_len > 0)
+        self._watch_hit_rate(match.hit_len)
+
+    def _watch_hit_rate(self, hit_len: int) -> None:
+        """Warn when a whole window of admissions reused nothing while the tree holds prefixes:
+        a silent 0 % hit rate is a bug peers shipped twice (vllm#42258, vllm#48435)."""
+        self._watch[0] += 1
+        self._watch[1] += hit_len
+        if self._watch[0] < HIT_WATCH_WINDOW:
+            return
+        cached = self._index.full_evictable + self._index.full_protected
+        if self._watch[1] == 0 and cached:
+            _log.warning(
+                "prefix-cache hit rate is 0 over the last %d admissions although the tree holds "
+                "%d tokens (page size %d: prompts shorter than a page can never hit)",
+                self._watch[0],
+                cached * self.config.page_size,
+                self.config.page_size,
+            )
+        self._watch = [0, 0]
 
     # -- extension ---------------------------------------------------------------------------
 

@@ -621,3 +621,23 @@ def test_budget_split_can_be_moved_at_run_time() -> None:
     assert cache.match_prefix(list(range(1, 3001))).cached_len == 2944
     assert stats.cached_tokens == 2944 and 0 < stats.cached_window_tokens <= 2944
     cache.check_invariants()
+
+
+def test_zero_hit_rate_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    from shadowradix.cache import HIT_WATCH_WINDOW
+
+    c = ShadowRadixCache(small())
+    r = c.admit(list(range(1, 41)))
+    c.extend(r, r.prompt_remaining)
+    c.finish(r)
+    with caplog.at_level("WARNING", logger="shadowradix"):
+        for i in range(HIT_WATCH_WINDOW):
+            q = c.admit([1000 + i, 1])  # never shares a page with the cached prefix
+            c.abort(q)
+    assert "hit rate is 0 over the last 256 admissions" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="shadowradix"):
+        for _ in range(HIT_WATCH_WINDOW):
+            q = c.admit(list(range(1, 41)))
+            c.abort(q)
+    assert caplog.text == ""
