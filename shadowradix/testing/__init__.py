@@ -7,7 +7,7 @@ from __future__ import annotations
 from .machines import CacheMachine
 from .oracle import FingerprintOracle, OracleViolation, prefix_hashes
 from .snapshot import snapshot
-from .strategies import cache_configs, token_runs
+from .strategies import cache_configs
 
 __all__ = [
     "CacheMachine",
@@ -16,5 +16,4 @@ __all__ = [
     "cache_configs",
     "prefix_hashes",
     "snapshot",
-    "token_runs",
 ]

@@ -40,8 +40,3 @@ def cache_configs(
         speculative=spec,
         bounded_replay=rep,
     )
-
-
-def token_runs(page_size: int, alphabet: int = 3) -> st.SearchStrategy[list[int]]:
-    """Token lists of a few pages, over a tiny alphabet so prefixes collide and nodes split."""
-    return st.lists(st.integers(0, alphabet - 1), min_size=1, max_size=3 * page_size + 4)
