@@ -688,12 +688,23 @@ class ShadowRadixCache:
 
     # -- reads and observability ---------------------------------------------------------------
 
-    def read_plan(self, request: Request) -> ReadPlan:
+    def read_plan(self, request: Request, start: int | None = None) -> ReadPlan:
         """Slots a forward at the request's current length reads: window SWA, every complete
-        compressed entry, and the in-flight ring rows of each stream."""
+        compressed entry, and the in-flight ring rows of each stream.
+
+        ``start``: the first position of the chunk just extended. The window then begins at
+        ``start - window`` instead of ``length - window``, so every query of the chunk finds
+        its own window (the trim after ``extend`` keeps exactly those pages). Raises
+        `InvalidRequestError` unless ``released_at <= start <= length``."""
         self._check_active(request)
+        if start is not None and not request.released_at <= start <= request.length:
+            raise InvalidRequestError(
+                f"read_plan start {start} outside [{request.released_at}, {request.length}]: "
+                "the window before it is no longer held"
+            )
         return self._shadows.read_plan(
             request.length,
+            request.length if start is None else start,
             request.vpages,
             request.swa_base,
             request.swa_pages,

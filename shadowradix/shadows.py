@@ -248,13 +248,14 @@ class Shadows:
     def read_plan(
         self,
         length: int,
+        window_end: int,
         vpages: list[int],
         swa_first: int,
         swa_pages: list[int],
         replay_start: int | None,
     ) -> ReadPlan:
         p, w = self.page_size, self.config.window
-        swa_pos = np.arange(max(0, length - w), length, dtype=I64)
+        swa_pos = np.arange(max(0, window_end - w), length, dtype=I64)
         stable = np.asarray(swa_pages, dtype=I64)
         swa_slots = stable[swa_pos // p - swa_first] * p + swa_pos % p
         vtable = np.asarray(vpages, dtype=I64)

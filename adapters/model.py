@@ -1,0 +1,94 @@
+"""The layer skeleton of the embedded DeepSeek-V4-style model.
+
+Both forwards run this skeleton; they differ only in the `KeySource`, which decides what each
+query attends to: the reference recomputes every key and compressed entry from the whole token
+sequence, the paged forward writes and reads the pools the cache planned. Everything the cache
+can get wrong lives behind that seam.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from . import ops
+from .model_config import ModelConfig
+from .weights import LayerWeights, ModelWeights
+
+
+@dataclass(frozen=True)
+class LayerInput:
+    """What one layer's attention has computed for the step's new tokens (N of them)."""
+
+    index: int
+    weights: LayerWeights
+    x: torch.Tensor  # (N, D) normed sub-block input: the compressor and indexer read it
+    q: torch.Tensor  # (N, H, d) roped queries
+    kv: torch.Tensor  # (N, d) roped shared latent (K and V)
+    positions: torch.Tensor  # (N,)
+
+
+class KeySource(Protocol):
+    def attend(self, layer: LayerInput) -> torch.Tensor:
+        """Attention output ``(N, H, d)`` of ``layer.q`` over its window, its compressed
+        entries and the sink; stores whatever later steps need."""
+        ...
+
+
+def embed(weights: ModelWeights, tokens: torch.Tensor) -> torch.Tensor:
+    """Residual streams ``(N, S, D)``: the token embedding on every stream."""
+    x = weights.embed[tokens]
+    return x[:, None, :].expand(-1, weights.config.hc_streams, -1).contiguous()
+
+
+def layer_forward(
+    cfg: ModelConfig,
+    index: int,
+    lw: LayerWeights,
+    streams: torch.Tensor,
+    positions: torch.Tensor,
+    keys: KeySource,
+) -> torch.Tensor:
+    n = streams.shape[0]
+    x, post, res = ops.hc_mix(streams, lw.hc_attn, cfg.sinkhorn_iters, cfg.norm_eps)
+    xn = ops.rms_norm(x, lw.attn_norm, cfg.norm_eps)
+    q = (xn @ lw.w_q).view(n, cfg.num_heads, cfg.head_dim)
+    q = ops.rope(q, positions, cfg.rope_dim, cfg.rope_theta)
+    kv = ops.rms_norm(xn @ lw.w_kv, lw.kv_norm, cfg.norm_eps)
+    kv = ops.rope(kv, positions, cfg.rope_dim, cfg.rope_theta)
+    attn = keys.attend(LayerInput(index, lw, xn, q, kv, positions))
+    # K = V carries RoPE in its last channels: rotate the output back to position-free values.
+    attn = ops.rope(attn, positions, cfg.rope_dim, cfg.rope_theta, inverse=True)
+    streams = ops.hc_merge(streams, attn.reshape(n, -1) @ lw.w_o, post, res)
+    x, post, res = ops.hc_mix(streams, lw.hc_ffn, cfg.sinkhorn_iters, cfg.norm_eps)
+    y = ops.swiglu(ops.rms_norm(x, lw.ffn_norm, cfg.norm_eps), lw.w_gate, lw.w_up, lw.w_down)
+    return ops.hc_merge(streams, y, post, res)
+
+
+def forward(
+    weights: ModelWeights,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    keys: KeySource,
+    logit_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits ``(len(logit_rows), V)`` (all rows when ``None``) for the new tokens."""
+    cfg = weights.config
+    streams = embed(weights, tokens)
+    for i, lw in enumerate(weights.layers):
+        streams = layer_forward(cfg, i, lw, streams, positions, keys)
+    if logit_rows is not None:
+        streams = streams[logit_rows]
+    final = ops.rms_norm(streams.mean(dim=1), weights.final_norm, cfg.norm_eps)
+    return (final @ weights.head).float()
+
+
+def compress_rows(
+    cfg: ModelConfig, rows: torch.Tensor, ratio: int, groups: torch.Tensor, norm: torch.Tensor,
+    rope_dim: int,
+) -> torch.Tensor:
+    """Entries ``(E, dim)`` from gathered in-flight rows ``(E, R, 2*width)`` of groups."""
+    pooled = ops.pool_groups(rows, cfg.is_overlap(ratio), ratio)
+    return ops.finish_entries(pooled, norm, groups, ratio, rope_dim, cfg.rope_theta, cfg.norm_eps)

@@ -1,0 +1,144 @@
+"""Numeric building blocks shared by the reference forward and the paged forward.
+
+Only position-local maths lives here (norms, RoPE, mHC, group pooling, attention over an
+explicit key set). Which keys a query sees, and where they come from, is each forward's own
+business: the reference derives it from the whole sequence, the paged path from the pools.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .weights import Compressor, HyperConnection
+
+
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """Accumulation type: fp64 stays fp64 (exact tests), everything else computes in fp32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.to(acc_dtype(x))
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.to(y.dtype)).to(x.dtype)
+
+
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float, inverse: bool = False
+) -> torch.Tensor:
+    """Rotates the last ``rope_dim`` channels of ``x`` (shape ``(N, ..., dim)``) by the angle of
+    ``positions`` (shape ``(N,)``); ``inverse`` undoes it."""
+    half = rope_dim // 2
+    dt = acc_dtype(x)
+    freqs = theta ** (-torch.arange(half, device=x.device, dtype=dt) / half)
+    ang = positions.to(dt)[:, None] * freqs[None, :]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = ang.cos().view(shape), ang.sin().view(shape)
+    if inverse:
+        sin = -sin
+    rot = x[..., -rope_dim:].to(dt)
+    a, b = rot[..., :half], rot[..., half:]
+    out = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1).to(x.dtype)
+    return torch.cat((x[..., :-rope_dim], out), dim=-1)
+
+
+def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """Doubly-stochastic matrices from ``(N, S, S)`` logits (Sinkhorn-Knopp in the exp domain)."""
+    m = torch.exp(logits - logits.amax(dim=(-1, -2), keepdim=True))
+    for _ in range(iters):
+        m = m / m.sum(-1, keepdim=True)
+        m = m / m.sum(-2, keepdim=True)
+    return m
+
+
+def hc_mix(
+    streams: torch.Tensor, hc: HyperConnection, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC coefficients for ``streams`` of shape ``(N, S, D)``: the sub-block input (N, D), the
+    output gains (N, S) and the Sinkhorn-normalised residual mixing (N, S, S)."""
+    n, s, d = streams.shape
+    flat = rms_norm(streams.reshape(n, s * d), hc.norm, eps)
+    pre = torch.sigmoid(flat @ hc.w_pre + hc.b_pre)
+    post = 2.0 * torch.sigmoid(flat @ hc.w_post + hc.b_post)
+    res = sinkhorn((flat @ hc.w_res + hc.b_res).view(n, s, s).to(acc_dtype(flat)), iters)
+    x = torch.einsum("ns,nsd->nd", pre, streams)
+    return x, post, res.to(streams.dtype)
+
+
+def hc_merge(
+    streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, res: torch.Tensor
+) -> torch.Tensor:
+    """New residual streams: mixed old streams plus the sub-block output on each stream."""
+    return torch.einsum("nst,ntd->nsd", res, streams) + post[:, :, None] * out[:, None, :]
+
+
+def compressor_rows(x: torch.Tensor, comp: Compressor, positions: torch.Tensor) -> torch.Tensor:
+    """In-flight rows of new tokens, kept in fp32 (fp64 in exact mode): ``[kv | score + ape]``."""
+    ratio = comp.ape.shape[0]
+    kv = x @ comp.w_kv
+    score = x @ comp.w_gate + comp.ape[positions % ratio]
+    return torch.cat((kv, score), dim=-1).to(acc_dtype(x))
+
+
+def pool_groups(rows: torch.Tensor, overlap: bool, ratio: int) -> torch.Tensor:
+    """Compresses ``(E, R, 2*width)`` gathered rows into ``(E, dim)`` entries.
+
+    Without overlap ``R = ratio`` and every channel pools its group. With overlap ``R =
+    2*ratio``: the first ``ratio`` rows are the previous group's (first-half channels), the last
+    ``ratio`` this group's (second-half channels); padding rows carry score ``-inf``, kv 0.
+    The softmax runs over the token axis separately for each channel."""
+    width = rows.shape[-1] // 2
+    kv, score = rows[..., :width], rows[..., width:]
+    if overlap:
+        dim = width // 2
+        kv = torch.cat((kv[:, :ratio, :dim], kv[:, ratio:, dim:]), dim=1)
+        score = torch.cat((score[:, :ratio, :dim], score[:, ratio:, dim:]), dim=1)
+    weights = torch.softmax(score, dim=1)
+    return (weights * kv).sum(dim=1)
+
+
+def finish_entries(
+    pooled: torch.Tensor,
+    norm: torch.Tensor,
+    groups: torch.Tensor,
+    ratio: int,
+    rope_dim: int,
+    theta: float,
+    eps: float,
+) -> torch.Tensor:
+    """Compressed entries from pooled groups: RMSNorm, then RoPE at the group's first position
+    ``g * ratio``."""
+    return rope(rms_norm(pooled, norm, eps), groups * ratio, rope_dim, theta)
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Lightning-indexer score ``sum_h w_h * relu(q_h . k)``: q ``(N, Hi, di)``, w ``(N, Hi)``,
+    keys ``(N, E, di)`` -> ``(N, E)``."""
+    dots = torch.einsum("nhd,ned->nhe", q.to(acc_dtype(q)), keys.to(acc_dtype(q)))
+    return torch.einsum("nh,nhe->ne", w.to(dots.dtype), torch.relu(dots))
+
+
+def topk_lowest_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` per row with ties broken by the lowest index (values, indices), so every
+    implementation selects the same set: ReLU scores are often exactly equal (0)."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+def sink_attention(
+    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of ``q (N, H, d)`` over ``keys (N, K, d)`` (also the values) where ``mask``
+    ``(N, K)`` is true, plus one learned sink logit per head in the denominator only."""
+    dt = acc_dtype(q)
+    logits = torch.einsum("nhd,nkd->nhk", q.to(dt), keys.to(dt)) * scale
+    logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+    sink_l = sink.to(dt)[None, :, None].expand(logits.shape[0], -1, 1)
+    m = torch.maximum(logits.amax(-1, keepdim=True), sink_l)
+    p = torch.exp(logits - m)
+    denom = p.sum(-1, keepdim=True) + torch.exp(sink_l - m)
+    return (torch.einsum("nhk,nkd->nhd", p, keys.to(dt)) / denom).to(q.dtype)
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor):
+    return (torch.nn.functional.silu(x @ w_gate) * (x @ w_up)) @ w_down

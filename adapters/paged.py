@@ -1,0 +1,222 @@
+"""Paged forward: executes one `Allocation` of the cache on the `KVPools`.
+
+All slot numbers come from the core (`Allocation`, `ReadPlan`); this module only turns them into
+index tensors, in bulk with NumPy, once per step (shared by all layers), and runs each layer in
+the order the core prescribes: write SWA, gather carried in-flight rows, store new ring rows,
+compress completed groups into their slots, then read window and entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shadowradix import Allocation, ReadPlan, StreamWrites
+
+from . import ops
+from .model import LayerInput, compress_rows, forward
+from .model_config import ModelConfig
+from .pools import KVPools
+from .weights import Compressor, ModelWeights
+
+I64 = np.int64
+
+
+@dataclass(frozen=True)
+class StreamStep:
+    """Index tensors of one compressed stream for one step (shared by its layers)."""
+
+    ratio: int
+    ring_dst: torch.Tensor  # ring rows to store
+    ring_src: torch.Tensor  # ... taken from these new tokens
+    carry_rows: torch.Tensor  # (C,) ring rows gathered before the store
+    entry_src: torch.Tensor  # (E, R) rows of each completed group in cat(new, carry, pad)
+    entry_groups: torch.Tensor  # (E,)
+    entry_slots: torch.Tensor  # (E,)
+    read_slots: torch.Tensor  # (B, G) every complete entry of each request at its end
+    visible: torch.Tensor  # (N, G) entry g is complete at the token's position
+
+
+@dataclass(frozen=True)
+class PagedStep:
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    token_request: torch.Tensor  # (N,) index into the batch
+    swa_slots: torch.Tensor  # (N,) where each new token's latent goes
+    window_slots: torch.Tensor  # (N, W)
+    window_mask: torch.Tensor  # (N, W)
+    streams: dict[int, StreamStep]
+
+
+def _window(plans: list[ReadPlan], req: np.ndarray, pos: np.ndarray, window: int):
+    """Slots of positions ``(t - W, t]`` for every token, from each request's read plan."""
+    sizes = np.array([len(p.swa_slots) for p in plans], dtype=I64)
+    base = np.cumsum(sizes) - sizes
+    first = np.array([p.swa_positions[0] if len(p.swa_positions) else 0 for p in plans], I64)
+    flat = np.concatenate([p.swa_slots for p in plans])
+    want = pos[:, None] - (window - 1) + np.arange(window, dtype=I64)[None, :]
+    mask = want >= 0
+    local = np.where(mask, want - first[req][:, None], 0)
+    if mask.any() and (local[mask] < 0).any():
+        raise RuntimeError("read plan does not cover a query's window (pass start=)")
+    return flat[base[req][:, None] + local], mask
+
+
+def _stream_step(
+    s: StreamWrites,
+    model: ModelConfig,
+    plans: list[ReadPlan],
+    alloc: Allocation,
+    req: np.ndarray,
+    pos: np.ndarray,
+) -> dict[str, np.ndarray]:
+    r, offsets = s.ratio, alloc.token_offsets
+    starts = np.asarray(alloc.starts, dtype=I64)
+    n, c, b = len(pos), len(s.carry_rows), len(plans)
+    # carried rows of request i are positions [carry_first[i], starts[i]) at carry_base[i]
+    carry_base = np.zeros(b, I64)
+    carry_first = np.zeros(b, I64)
+    if c:
+        uniq, first_idx = np.unique(s.carry_request, return_index=True)
+        carry_base[uniq] = first_idx
+        carry_first[uniq] = s.carry_positions[first_idx]
+    overlap = model.is_overlap(r)
+    width = 2 * r if overlap else r
+    e_req = s.entry_request
+    need = (s.entry_groups * r - (r if overlap else 0))[:, None] + np.arange(width, dtype=I64)
+    sreq = starts[e_req][:, None]
+    src = np.where(
+        need >= sreq,
+        offsets[e_req][:, None] + need - sreq,
+        np.where(need >= 0, n + carry_base[e_req][:, None] + need - carry_first[e_req][:, None],
+                 n + c),
+    )
+    entries = [p.stream(r).entry_slots for p in plans]
+    g = max(1, max(len(e) for e in entries))
+    read = np.zeros((b, g), I64)
+    for i, e in enumerate(entries):
+        read[i, : len(e)] = e
+    visible = np.arange(g, dtype=I64)[None, :] < ((pos + 1) // r)[:, None]
+    return dict(
+        ring_dst=s.ring_rows,
+        ring_src=offsets[s.ring_request] + s.ring_positions - starts[s.ring_request],
+        carry_rows=s.carry_rows,
+        entry_src=src.reshape(len(e_req), width),
+        entry_groups=s.entry_groups,
+        entry_slots=s.entry_slots,
+        read_slots=read,
+        visible=visible,
+    )
+
+
+def build_step(
+    model: ModelConfig, alloc: Allocation, plans: list[ReadPlan], tokens: np.ndarray, device
+) -> PagedStep:
+    """Index tensors for executing ``alloc``; ``plans[i]`` is ``read_plan(request_i,
+    start=alloc.starts[i])`` taken after the extend, ``tokens`` the new tokens in step order."""
+    arrays = alloc.arrays
+    pos = arrays.positions
+    req = np.repeat(np.arange(len(plans), dtype=I64), np.diff(arrays.token_offsets))
+    win, win_mask = _window(plans, req, pos, model.window)
+
+    def t(a: np.ndarray, dtype=torch.long) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+
+    streams = {}
+    for s in arrays.streams:
+        parts = _stream_step(s, model, plans, alloc, req, pos)
+        visible = parts.pop("visible")
+        streams[s.ratio] = StreamStep(
+            s.ratio, **{k: t(v) for k, v in parts.items()}, visible=t(visible, torch.bool)
+        )
+    return PagedStep(
+        tokens=t(tokens),
+        positions=t(pos),
+        token_request=t(req),
+        swa_slots=t(arrays.swa_slots),
+        window_slots=t(win),
+        window_mask=t(win_mask, torch.bool),
+        streams=streams,
+    )
+
+
+class PagedKeys:
+    """`KeySource` over the pools for one `PagedStep`."""
+
+    def __init__(self, model: ModelConfig, pools: KVPools, step: PagedStep) -> None:
+        self.model, self.pools, self.step = model, pools, step
+
+    def attend(self, layer: LayerInput) -> torch.Tensor:
+        cfg, st, i = self.model, self.step, layer.index
+        swa = self.pools.swa[i]
+        swa[st.swa_slots] = layer.kv.to(swa.dtype)
+        keys, mask = swa[st.window_slots], st.window_mask
+        ratio = layer.weights.ratio
+        if ratio:
+            ss = st.streams[ratio]
+            comp = layer.weights.compressor
+            assert comp is not None
+            self._compress(layer, comp, ss, self.pools.ring[i], self.pools.compressed[i])
+            entries = self.pools.compressed[i][ss.read_slots][st.token_request]  # (N, G, d)
+            if cfg.is_sparse(ratio):
+                entries, chosen_mask = self._select(layer, ss, entries)
+                keys = torch.cat((keys, entries), dim=1)
+                mask = torch.cat((mask, chosen_mask), dim=1)
+            else:
+                keys = torch.cat((keys, entries), dim=1)
+                mask = torch.cat((mask, ss.visible), dim=1)
+        return ops.sink_attention(layer.q, keys, mask, layer.weights.sink, cfg.scale)
+
+    def _compress(
+        self,
+        layer: LayerInput,
+        comp: Compressor,
+        ss: StreamStep,
+        ring: torch.Tensor,
+        pool: torch.Tensor,
+    ) -> None:
+        rows = ops.compressor_rows(layer.x, comp, layer.positions).to(ring.dtype)
+        carried = ring[ss.carry_rows]  # before the store: carry and store may share rows
+        ring[ss.ring_dst] = rows[ss.ring_src]
+        if ss.entry_slots.numel() == 0:
+            return
+        pad = torch.zeros_like(rows[:1])
+        pad[:, rows.shape[1] // 2 :] = float("-inf")
+        source = torch.cat((rows, carried, pad), dim=0)
+        dim = pool.shape[1]
+        ent = compress_rows(
+            self.model, source[ss.entry_src], ss.ratio, ss.entry_groups, comp.norm,
+            self.model.rope_dim,
+        )
+        assert ent.shape[1] == dim
+        pool[ss.entry_slots] = ent.to(pool.dtype)
+
+    def _select(self, layer: LayerInput, ss: StreamStep, entries: torch.Tensor):
+        cfg, i = self.model, layer.index
+        idx = layer.weights.indexer
+        assert idx is not None
+        self._compress(layer, idx.compressor, ss, self.pools.index_ring[i],
+                       self.pools.index_keys[i])
+        n = layer.x.shape[0]
+        keys = self.pools.index_keys[i][ss.read_slots][self.step.token_request]
+        q = (layer.x @ idx.w_q).view(n, cfg.index_heads, cfg.index_dim)
+        q = ops.rope(q, layer.positions, cfg.rope_dim, cfg.rope_theta)
+        scores = ops.index_scores(q, layer.x @ idx.w_weight, keys)
+        scores = scores.masked_fill(~ss.visible, float("-inf"))
+        values, indices = ops.topk_lowest_index(scores, min(cfg.index_topk, scores.shape[1]))
+        chosen = torch.gather(entries, 1, indices[:, :, None].expand(-1, -1, entries.shape[2]))
+        return chosen, torch.isfinite(values)
+
+
+@torch.no_grad()
+def run_step(
+    weights: ModelWeights,
+    pools: KVPools,
+    step: PagedStep,
+    logit_rows: torch.Tensor | None,
+) -> torch.Tensor:
+    """Runs the layers over the step's new tokens; returns logits of ``logit_rows``."""
+    keys = PagedKeys(weights.config, pools, step)
+    return forward(weights, step.tokens, step.positions, keys, logit_rows)
