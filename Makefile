@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q 'torch==2.13.0'  # the CPU wheel on local disk; never a CUDA download
+	$(BIN)/pip install -q -e '.[dev,torch]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,0 +1,321 @@
+"""Continuous-batching runner: chunked prefill, batched decode, prefix reuse, preemption.
+
+One step = at most one prefill forward (chunks of several requests, ``chunk_tokens`` in all)
+plus one decode forward (every request in its decode phase, one token each). The cache plans
+every slot; the runner only schedules, executes the plans on the pools and samples.
+
+Pool exhaustion never crashes a step: when an extend raises `CapacityError`, the most recently
+admitted running request is preempted (its cache request aborted, its tokens requeued at the
+front, recomputed later with whatever prefix is still cached) and the extend is retried.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from shadowradix import CacheConfig, CapacityError, InvalidRequestError, ShadowRadixCache
+from shadowradix.request import Request
+
+from .device import resolve_device
+from .model_config import ModelConfig
+from .paged import build_step, run_step
+from .pools import KVPools
+from .sampling import Sampler, SamplingParams
+from .weights import ModelWeights, init_weights
+
+
+@dataclass
+class GenerationResult:
+    """One request's outcome. ``finish_reason``: ``"length"``, ``"stop"`` or ``"error"``."""
+
+    request_id: int
+    prompt: list[int]
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class RunnerStats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    forward_s: float = 0.0
+    schedule_s: float = 0.0
+
+
+@dataclass
+class _Seq:
+    result: GenerationResult
+    params: SamplingParams
+    sampler: Sampler
+    request: Request | None = None
+    admitted_at: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.result.prompt + self.result.output
+
+    @property
+    def decoding(self) -> bool:
+        return self.request is not None and len(self.request.prompt_remaining) == 0
+
+
+class Runner:
+    """Runs the embedded model over a `ShadowRadixCache`.
+
+    ``chunk_tokens``: prefill tokens per step. ``max_running``: decode batch bound. Raises
+    `ValueError` for a cache config that does not match the model or a chunk the SWA pool
+    cannot hold, and `DeviceError` for an unusable device."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        cache_config: CacheConfig,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        weights: ModelWeights | None = None,
+        chunk_tokens: int = 256,
+        max_running: int = 32,
+    ) -> None:
+        self.device = resolve_device(device)
+        dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        p = cache_config.page_size
+        if chunk_tokens < 1 or max_running < 1:
+            raise ValueError("chunk_tokens and max_running must be >= 1")
+        swa_need = chunk_tokens + cache_config.window + 2 * p
+        if swa_need > cache_config.swa_capacity:
+            raise ValueError(
+                f"SWA pool of {cache_config.swa_capacity} tokens cannot hold a {chunk_tokens}-token"
+                f" chunk plus its window (needs {swa_need}); lower chunk_tokens"
+            )
+        self.model = model
+        self.cache = ShadowRadixCache(cache_config)
+        self.pools = KVPools(model, cache_config, self.device, dtype)
+        self.weights = weights or init_weights(model, self.device, dtype)
+        self.chunk_tokens, self.max_running = chunk_tokens, max_running
+        self.stats = RunnerStats()
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._next_id = 0
+        self._clock = 0
+
+    # -- submission ------------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queues a request; returns its id. Raises `InvalidRequestError` (queueing nothing)
+        for an empty prompt, tokens outside the vocabulary, or a request longer than the full
+        pool can ever hold."""
+        params = params or SamplingParams()
+        tokens = self._validate(prompt, params)
+        rid = self._next_id
+        self._next_id += 1
+        seq = _Seq(GenerationResult(rid, tokens), params, Sampler(params))
+        self._waiting.append(seq)
+        return rid
+
+    def _validate(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be SamplingParams")
+        try:
+            tokens = [int(t) for t in prompt]
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"prompt must be a sequence of ints: {exc}") from None
+        if not tokens:
+            raise InvalidRequestError("empty prompt")
+        vocab = self.model.vocab_size
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise InvalidRequestError(f"prompt tokens must be in [0, {vocab})")
+        total = len(tokens) + params.max_new_tokens
+        if total > self.cache.config.full_capacity:
+            raise InvalidRequestError(
+                f"prompt + max_new_tokens = {total} tokens exceeds the full pool "
+                f"({self.cache.config.full_capacity} tokens): it could never run"
+            )
+        return tokens
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[GenerationResult]:
+        """Admits, runs one prefill forward and one decode forward; returns finished results."""
+        self._clock += 1
+        self.stats.steps += 1
+        self._admit()
+        done = self._prefill()
+        done += self._decode()
+        return done
+
+    def run(
+        self, on_step: Callable[[Runner, list[GenerationResult]], None] | None = None
+    ) -> list[GenerationResult]:
+        """Steps until every submitted request finished; results in completion order."""
+        finished: list[GenerationResult] = []
+        while self.num_pending:
+            done = self.step()
+            finished += done
+            if on_step is not None:
+                on_step(self, done)
+        return finished
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_running:
+            seq = self._waiting[0]
+            if self._running and not self._fits(seq):
+                return
+            tokens = seq.tokens
+            match = self.cache.match_prefix(tokens[:-1])
+            seq.request = self.cache.admit(tokens, match)
+            seq.result.cached_tokens = max(seq.result.cached_tokens, match.hit_len)
+            seq.admitted_at = self._clock
+            self._running.append(self._waiting.popleft())
+
+    def _fits(self, seq: _Seq) -> bool:
+        """Admission control: room for the whole request in both pools right now."""
+        st, p = self.cache.stats(), self.cache.config.page_size
+        need = -(-(len(seq.tokens) + seq.params.max_new_tokens) // p)
+        full_room = st.full.free_pages + st.full.evictable_pages
+        swa_room = st.swa.free_pages + st.swa.evictable_pages
+        window_pages = -(-(self.cache.config.window + min(self.chunk_tokens, len(seq.tokens))) // p)
+        return need <= full_room and window_pages + 1 <= swa_room
+
+    def _preempt(self) -> bool:
+        """Requeues the most recently admitted running request; False if none can yield."""
+        if len(self._running) <= 1:
+            return False
+        victim = max(self._running, key=lambda s: s.admitted_at)
+        self._running.remove(victim)
+        assert victim.request is not None
+        self.cache.abort(victim.request)
+        victim.request = None
+        victim.result.preemptions += 1
+        self.stats.preemptions += 1
+        self._waiting.appendleft(victim)
+        return True
+
+    def _extend(self, seqs: list[_Seq], chunks: list[list[int]]):
+        """``extend_batch`` that preempts other requests until it fits. Returns the surviving
+        (seqs, chunks) and the allocation, or raises `CapacityError` if nothing can yield."""
+        while True:
+            live = [(s, c) for s, c in zip(seqs, chunks) if s.request is not None]
+            if not live:
+                return [], [], None
+            seqs, chunks = [s for s, _ in live], [c for _, c in live]
+            try:
+                alloc = self.cache.extend_batch([s.request for s in seqs], chunks)
+                return seqs, chunks, alloc
+            except CapacityError:
+                if not self._preempt():
+                    raise
+
+    def _forward(self, seqs: list[_Seq], chunks: list[list[int]], alloc, logits_for: list[bool]):
+        t0 = time.perf_counter()
+        plans = [self.cache.read_plan(s.request, start=st) for s, st in zip(seqs, alloc.starts)]
+        flat = np.fromiter((t for c in chunks for t in c), np.int64)
+        step = build_step(self.model, alloc, plans, flat, self.device)
+        ends = np.cumsum([len(c) for c in chunks]) - 1
+        rows = [int(e) for e, want in zip(ends, logits_for) if want]
+        t1 = time.perf_counter()
+        logits = run_step(
+            self.weights, self.pools, step, torch.tensor(rows, device=self.device, dtype=torch.long)
+        )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        self.stats.schedule_s += t1 - t0
+        self.stats.forward_s += t2 - t1
+        return logits
+
+    def _prefill(self) -> list[GenerationResult]:
+        budget, seqs, chunks = self.chunk_tokens, [], []
+        for seq in self._running:
+            if seq.decoding or budget == 0:
+                continue
+            assert seq.request is not None
+            chunk = seq.request.prompt_remaining[:budget].tolist()
+            budget -= len(chunk)
+            seqs.append(seq)
+            chunks.append(chunk)
+        if not seqs:
+            return []
+        seqs, chunks, alloc = self._extend(seqs, chunks)
+        if alloc is None:
+            return []
+        last = [len(s.request.prompt_remaining) == 0 for s in seqs]
+        logits = self._forward(seqs, chunks, alloc, last)
+        self.stats.prefill_tokens += sum(len(c) for c in chunks)
+        done, row = [], 0
+        for seq, is_last in zip(seqs, last):
+            if is_last:
+                self.cache.cache_unfinished(seq.request)
+                done += self._emit(seq, seq.sampler.sample(logits[row]))
+                row += 1
+        return done
+
+    def _decode(self) -> list[GenerationResult]:
+        seqs = [s for s in self._running if s.decoding and s.result.finish_reason is None]
+        seqs = [s for s in seqs if s.request.length == len(s.tokens) - 1]  # one token pending
+        if not seqs:
+            return []
+        chunks = [[s.result.output[-1]] for s in seqs]
+        seqs, chunks, alloc = self._extend(seqs, chunks)
+        if alloc is None:
+            return []
+        logits = self._forward(seqs, chunks, alloc, [True] * len(seqs))
+        self.stats.decode_tokens += len(seqs)
+        done = []
+        for i, seq in enumerate(seqs):
+            done += self._emit(seq, seq.sampler.sample(logits[i]))
+        return done
+
+    def _emit(self, seq: _Seq, token: int) -> list[GenerationResult]:
+        res = seq.result
+        res.output.append(token)
+        if seq.params.stop_token is not None and token == seq.params.stop_token:
+            res.finish_reason = "stop"
+        elif len(res.output) >= seq.params.max_new_tokens:
+            res.finish_reason = "length"
+        else:
+            return []
+        assert seq.request is not None
+        self.cache.finish(seq.request)
+        seq.request = None
+        self._running.remove(seq)
+        return [res]
+
+    # -- conveniences ----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        on_step: Callable[[Runner, list[GenerationResult]], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Runs every prompt to completion; results in prompt order. A prompt that fails
+        validation gets ``finish_reason="error"`` and never disturbs the others."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        results: list[GenerationResult | None] = []
+        ids: dict[int, int] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                ids[self.submit(prompt, p)] = i
+                results.append(None)
+            except InvalidRequestError as exc:
+                bad = list(prompt) if isinstance(prompt, (list, tuple)) else []
+                results.append(GenerationResult(-1, bad, finish_reason="error", error=str(exc)))
+        for res in self.run(on_step):
+            results[ids[res.request_id]] = res
+        return [r for r in results if r is not None]

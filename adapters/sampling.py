@@ -1,0 +1,47 @@
+"""Sampling parameters and per-request samplers (greedy or temperature, seeded)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shadowradix import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``temperature == 0`` is greedy. ``seed`` makes temperature sampling reproducible, also
+    across preemption (one draw per generated token). ``stop_token`` ends generation early."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    seed: int = 0
+    stop_token: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise InvalidRequestError("max_new_tokens must be an int")
+        if self.max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise InvalidRequestError("seed must be an int")
+
+
+class Sampler:
+    """Draws tokens for one request; its generator lives on the CPU so results do not depend on
+    the device."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator = torch.Generator().manual_seed(params.seed)
+
+    def sample(self, logits: torch.Tensor) -> int:
+        if self.params.temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.double().cpu() / self.params.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
