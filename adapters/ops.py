@@ -114,15 +114,30 @@ def finish_entries(
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Lightning-indexer score ``sum_h w_h * relu(q_h . k)``: q ``(N, Hi, di)``, w ``(N, Hi)``,
     keys ``(N, E, di)`` -> ``(N, E)``."""
-    dots = torch.einsum("nhd,ned->nhe", q.to(acc_dtype(q)), keys.to(acc_dtype(q)))
-    return torch.einsum("nh,nhe->ne", w.to(dots.dtype), torch.relu(dots))
+    # The dot products run in the input dtype (fp32 accumulation inside the matmul): at 1M
+    # tokens the keys are the bulk of the traffic. The head reduction runs in fp32 / fp64.
+    dots = torch.einsum("nhd,ned->nhe", q.to(keys.dtype), keys)
+    acc = acc_dtype(dots)
+    return torch.einsum("nh,nhe->ne", w.to(acc), torch.relu(dots).to(acc))
 
 
 def topk_lowest_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``k`` per row with ties broken by the lowest index (values, indices), so every
-    implementation selects the same set: ReLU scores are often exactly equal (0)."""
-    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
+    """Top-``k`` per row, ties broken by the lowest index; returns (values, indices), values
+    descending. Every implementation must select the same set: ReLU scores are often equal.
+
+    fp64 rows use a stable sort. Other dtypes compare as fp32 through one int64 key per entry,
+    ``(order-preserving score bits) << 32 | (2**32 - 1 - index)``, so a single radix-select
+    ``topk`` (no sort, no data-dependent branch: CUDA-graph safe) resolves ties exactly."""
+    if scores.dtype == torch.float64:
+        values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+        return values[..., :k], indices[..., :k]
+    canonical = scores.float() + 0.0  # -0.0 becomes +0.0: equal scores, equal keys
+    bits = canonical.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    ordered = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    index = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int64)
+    keys = (ordered - 0x80000000) * (1 << 32) + (0xFFFFFFFF - index)
+    indices = torch.topk(keys, k, dim=-1).indices
+    return torch.gather(scores, -1, indices), indices
 
 
 def sink_attention(

@@ -122,7 +122,7 @@ def build_step(
     win, win_mask = _window(plans, req, pos, model.window)
 
     def t(a: np.ndarray, dtype=torch.long) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+        return torch.from_numpy(np.require(a, requirements=["C", "W"])).to(device=device, dtype=dtype)
 
     streams = {}
     for s in arrays.streams:
@@ -159,13 +159,13 @@ class PagedKeys:
             comp = layer.weights.compressor
             assert comp is not None
             self._compress(layer, comp, ss, self.pools.ring[i], self.pools.compressed[i])
-            entries = self.pools.compressed[i][ss.read_slots][st.token_request]  # (N, G, d)
+            slots = ss.read_slots[st.token_request]  # (N, G): every complete entry
             if cfg.is_sparse(ratio):
-                entries, chosen_mask = self._select(layer, ss, entries)
-                keys = torch.cat((keys, entries), dim=1)
+                slots, chosen_mask = self._select(layer, ss, slots)
+                keys = torch.cat((keys, self.pools.compressed[i][slots]), dim=1)
                 mask = torch.cat((mask, chosen_mask), dim=1)
             else:
-                keys = torch.cat((keys, entries), dim=1)
+                keys = torch.cat((keys, self.pools.compressed[i][slots]), dim=1)
                 mask = torch.cat((mask, ss.visible), dim=1)
         return ops.sink_attention(layer.q, keys, mask, layer.weights.sink, cfg.scale)
 
@@ -193,21 +193,21 @@ class PagedKeys:
         assert ent.shape[1] == dim
         pool[ss.entry_slots] = ent.to(pool.dtype)
 
-    def _select(self, layer: LayerInput, ss: StreamStep, entries: torch.Tensor):
+    def _select(self, layer: LayerInput, ss: StreamStep, slots: torch.Tensor):
+        """Slots of the indexer's top-k entries per token, and which of them are real."""
         cfg, i = self.model, layer.index
         idx = layer.weights.indexer
         assert idx is not None
         self._compress(layer, idx.compressor, ss, self.pools.index_ring[i],
                        self.pools.index_keys[i])
         n = layer.x.shape[0]
-        keys = self.pools.index_keys[i][ss.read_slots][self.step.token_request]
+        keys = self.pools.index_keys[i][slots]
         q = (layer.x @ idx.w_q).view(n, cfg.index_heads, cfg.index_dim)
         q = ops.rope(q, layer.positions, cfg.rope_dim, cfg.rope_theta)
         scores = ops.index_scores(q, layer.x @ idx.w_weight, keys)
         scores = scores.masked_fill(~ss.visible, float("-inf"))
         values, indices = ops.topk_lowest_index(scores, min(cfg.index_topk, scores.shape[1]))
-        chosen = torch.gather(entries, 1, indices[:, :, None].expand(-1, -1, entries.shape[2]))
-        return chosen, torch.isfinite(values)
+        return torch.gather(slots, 1, indices), torch.isfinite(values)
 
 
 @torch.no_grad()

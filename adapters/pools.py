@@ -1,5 +1,9 @@
 """KV pools as torch tensors, sized from a `CacheConfig` and addressed only by its slot numbers.
 
+Every tensor has one extra *sentinel* row at the end (index ``capacity``): fixed-shape code (the
+CUDA-graph decode) sends the writes of padding rows and of groups that did not complete there,
+and never reads it unmasked. The core never hands out that index.
+
 Per layer: an SWA pool (one latent per SWA slot). Per compressed layer: its compressed KV pool
 (one entry per compressed slot of its stream) and its in-flight ring (one fp32 row per ring row:
 ``[kv | score]`` of one token, both halves doubled under the C4 overlap). Per C4 layer also the
@@ -69,10 +73,15 @@ class KVPools:
                 )
 
     def _zeros(self, rows: int, width: int) -> torch.Tensor:
-        return torch.zeros(rows, width, device=self.device, dtype=self.dtype)
+        return torch.zeros(rows + 1, width, device=self.device, dtype=self.dtype)
 
     def _state(self, rows: int, width: int) -> torch.Tensor:
-        return torch.zeros(rows, width, device=self.device, dtype=self.state_dtype)
+        return torch.zeros(rows + 1, width, device=self.device, dtype=self.state_dtype)
+
+    @staticmethod
+    def sentinel(pool: torch.Tensor) -> int:
+        """The write-only row of ``pool``."""
+        return pool.shape[0] - 1
 
     def nbytes(self) -> PoolBytes:
         def size(ts: list[torch.Tensor]) -> int:

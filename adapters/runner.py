@@ -23,6 +23,7 @@ from shadowradix import CacheConfig, CapacityError, InvalidRequestError, ShadowR
 from shadowradix.request import Request
 
 from .device import resolve_device
+from .graph_decode import GraphDecoder
 from .model_config import ModelConfig
 from .paged import build_step, run_step
 from .pools import KVPools
@@ -74,8 +75,11 @@ class Runner:
     """Runs the embedded model over a `ShadowRadixCache`.
 
     ``chunk_tokens``: prefill tokens per step. ``max_running``: decode batch bound. Raises
-    `ValueError` for a cache config that does not match the model or a chunk the SWA pool
-    cannot hold, and `DeviceError` for an unusable device."""
+    ``graph_decode``: decode through `GraphDecoder` (slots computed on the device from raw
+    batch state, CUDA graphs on GPU); default on CUDA. Otherwise decode runs the general paged
+    path like prefill. Raises `ValueError` for a cache config that does not match the model, a
+    chunk the SWA pool cannot hold, or bounded replay (not supported by this runner), and
+    `DeviceError` for an unusable device."""
 
     def __init__(
         self,
@@ -86,6 +90,7 @@ class Runner:
         weights: ModelWeights | None = None,
         chunk_tokens: int = 256,
         max_running: int = 32,
+        graph_decode: bool | None = None,
     ) -> None:
         self.device = resolve_device(device)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -98,12 +103,22 @@ class Runner:
                 f"SWA pool of {cache_config.swa_capacity} tokens cannot hold a {chunk_tokens}-token"
                 f" chunk plus its window (needs {swa_need}); lower chunk_tokens"
             )
+        if cache_config.bounded_replay:
+            raise ValueError("the runner does not execute bounded replay (approximate reuse)")
         self.model = model
         self.cache = ShadowRadixCache(cache_config)
         self.pools = KVPools(model, cache_config, self.device, dtype)
         self.weights = weights or init_weights(model, self.device, dtype)
         self.chunk_tokens, self.max_running = chunk_tokens, max_running
         self.stats = RunnerStats()
+        if graph_decode is None:
+            graph_decode = self.device.type == "cuda"
+        self.decoder = (
+            GraphDecoder(self.weights, self.pools, cache_config, max_running,
+                         cache_config.full_capacity)
+            if graph_decode
+            else None
+        )
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._next_id = 0
@@ -238,6 +253,15 @@ class Runner:
         self.stats.forward_s += t2 - t1
         return logits
 
+    def _graph_forward(self, seqs: list[_Seq], tokens: list[int]) -> torch.Tensor:
+        assert self.decoder is not None
+        t0 = time.perf_counter()
+        logits = self.decoder.step([s.request for s in seqs], tokens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats.forward_s += time.perf_counter() - t0
+        return logits
+
     def _prefill(self) -> list[GenerationResult]:
         budget, seqs, chunks = self.chunk_tokens, [], []
         for seq in self._running:
@@ -273,7 +297,10 @@ class Runner:
         seqs, chunks, alloc = self._extend(seqs, chunks)
         if alloc is None:
             return []
-        logits = self._forward(seqs, chunks, alloc, [True] * len(seqs))
+        if self.decoder is None:
+            logits = self._forward(seqs, chunks, alloc, [True] * len(seqs))
+        else:
+            logits = self._graph_forward(seqs, [c[0] for c in chunks])
         self.stats.decode_tokens += len(seqs)
         done = []
         for i, seq in enumerate(seqs):

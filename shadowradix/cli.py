@@ -1,4 +1,4 @@
-"""``shadowradix`` console script."""
+"""Cache-only ``demo`` command (the ``shadowradix`` console script lives in ``adapters.cli``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from .config import CacheConfig
 from .demo import DemoTrace, main_demo
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shadowradix", description="ShadowRadix KV-cache manager")
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_demo_parser(sub) -> None:  # type: ignore[no-untyped-def]
     demo = sub.add_parser("demo", help="replay a built-in multi-turn chat trace through the cache")
     demo.add_argument("--page-size", type=int, default=64)
     demo.add_argument("--full-tokens", type=int, default=64 * 1024)
@@ -18,7 +16,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--conversations", type=int, default=48)
     demo.add_argument("--turns", type=int, default=4)
     demo.add_argument("--replay", action="store_true", help="enable bounded replay (approximate)")
-    args = parser.parse_args(argv)
+
+
+def run_demo(args: argparse.Namespace) -> int:
     config = CacheConfig(
         page_size=args.page_size,
         full_capacity=args.full_tokens,
@@ -34,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(main_demo(config, trace))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shadowradix", description="ShadowRadix KV-cache manager")
+    add_demo_parser(parser.add_subparsers(dest="command", required=True))
+    return run_demo(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

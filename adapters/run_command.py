@@ -1,0 +1,88 @@
+"""``shadowradix run``: decode prompts through the runner and print a closing summary."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from .model_config import preset
+from .runner import GenerationResult, Runner
+from .sampling import SamplingParams
+from .tokenizer import ByteTokenizer
+
+
+def build_runner(args: argparse.Namespace) -> Runner:
+    model = preset(args.model)
+    if args.layers:
+        model = dataclasses.replace(model, compress_ratios=model.compress_ratios[: args.layers])
+    cache = model.cache_config(
+        page_size=args.page_size, full_capacity=args.full_tokens, swa_capacity=args.swa_tokens
+    )
+    return Runner(
+        model, cache, device=args.device, chunk_tokens=args.chunk_tokens,
+        max_running=args.max_running,
+    )
+
+
+def run_command(args: argparse.Namespace, texts: list[str]) -> int:
+    tok = ByteTokenizer()
+    runner = build_runner(args)
+    params = SamplingParams(args.max_new_tokens, args.temperature, args.seed, stop_token=tok.eos)
+    print(
+        f"shadowradix run: model {runner.model.name} ({runner.model.num_layers} layers, ratios "
+        f"{runner.model.compress_ratios}), {runner.weights.dtype} on {runner.device}, page "
+        f"{runner.cache.config.page_size}, pools {runner.cache.config.full_capacity} full / "
+        f"{runner.cache.config.swa_capacity} SWA tokens, {len(texts)} prompt(s)",
+        flush=True,
+    )
+    pending = [tok.encode(t) for t in texts]
+    bar = tqdm(total=len(pending) * args.max_new_tokens, unit="tok", disable=args.quiet,
+               file=sys.stderr, desc="decode")
+    results: list[GenerationResult] = []
+    start, step = time.perf_counter(), 0
+    ids: dict[int, int] = {}
+    while pending or runner.num_pending:
+        if pending and (args.arrival_steps <= 0 or step % args.arrival_steps == 0):
+            batch = pending if args.arrival_steps <= 0 else pending[:1]
+            for prompt in batch:
+                ids[runner.submit(prompt, params)] = len(ids)
+            pending = pending[len(batch):]
+        done = runner.step()
+        step += 1
+        bar.update(sum(len(r.output) for r in done))
+        results += done
+    bar.close()
+    wall = time.perf_counter() - start
+    if not args.quiet:
+        for res in sorted(results, key=lambda r: ids[r.request_id]):
+            print(f"[{ids[res.request_id]}] {res.finish_reason:>6} "
+                  f"(hit {res.cached_tokens} tok): {tok.decode(res.output)!r}")
+    print(summary(runner, results, wall))
+    return 0
+
+
+def summary(runner: Runner, results: list[GenerationResult], wall: float) -> str:
+    st, cs = runner.stats, runner.cache.stats()
+    out_tokens = sum(len(r.output) for r in results)
+    lines = [
+        f"requests {len(results)}, steps {st.steps}, wall {wall:.2f} s",
+        f"tokens/s: {out_tokens / wall:.1f} generated, "
+        f"{(st.prefill_tokens + st.decode_tokens) / wall:.1f} processed "
+        f"({st.prefill_tokens} prefill + {st.decode_tokens} decode)",
+        f"prompt hit ratio {cs.hit_ratio:.3f} ({cs.hit_tokens} of {cs.prompt_tokens} prompt tokens "
+        f"reused; min hit granularity {cs.min_hit_granularity})",
+        f"pools: full {cs.full.used_fraction:.1%} used ({cs.cached_tokens} tokens cached), "
+        f"SWA {cs.swa.used_fraction:.1%} used ({cs.cached_window_tokens} window tokens live)",
+        f"evictions: {cs.evicted.full_pages} full + {cs.evicted.swa_pages} SWA pages, "
+        f"{cs.evicted.nodes_removed} nodes removed, {cs.evicted.nodes_tombstoned} tombstoned; "
+        f"preemptions {st.preemptions}",
+        f"time: forward {st.forward_s:.2f} s, scheduling + cache {st.schedule_s:.2f} s",
+    ]
+    if runner.device.type == "cuda":
+        lines.append(f"GPU memory peak {torch.cuda.max_memory_allocated(runner.device) / 2**30:.2f} GiB")
+    return "\n".join(lines)
