@@ -282,8 +282,11 @@ class Runner:
         self.stats.prefill_tokens += sum(len(c) for c in chunks)
         done, row = [], 0
         for seq, is_last in zip(seqs, last):
+            # After every chunk, as SGLang does: the chunk's pages enter the tree with their
+            # live SWA, so a later prompt branching anywhere inside this one still finds a
+            # window (SWA eviction tombstones node heads before tails when SWA runs short).
+            self.cache.cache_unfinished(seq.request)
             if is_last:
-                self.cache.cache_unfinished(seq.request)
                 done += self._emit(seq, seq.sampler.sample(logits[row]))
                 row += 1
         return done
