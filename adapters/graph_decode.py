@@ -34,8 +34,32 @@ class StreamMeta:
     group_src: torch.Tensor  # (B, R) 0 = ring row, 1 = the new token, 2 = padding
     group: torch.Tensor  # (B,)
     entry_slot: torch.Tensor  # (B,) where the completed entry goes (sentinel if none)
-    read_slots: torch.Tensor  # (B, G) every entry slot up to the bucket's context
-    visible: torch.Tensor  # (B, G)
+    read_pages: torch.Tensor | None  # (B, G / spp) virtual pages, when page_size >= ratio
+    read_slots: torch.Tensor | None  # (B, G) every entry slot, when page_size < ratio
+    visible: torch.Tensor  # (B, G): entries up to the bucket's context; complete ones visible
+    slots_per_page: int
+
+    def all_entries(self, pool: torch.Tensor) -> torch.Tensor:
+        """``(B, G, width)`` rows of every entry. With ``page_size >= ratio`` a virtual page's
+        entries are ``slots_per_page`` consecutive slots (shadow arithmetic), so whole pages
+        are gathered: 16x fewer, 16x larger reads than one gather per entry for C4 at page 64."""
+        width = pool.shape[1]
+        if self.read_pages is None:
+            assert self.read_slots is not None
+            b = self.read_slots.shape[0]
+            return pool.index_select(0, self.read_slots.flatten()).view(b, -1, width)
+        spp = self.slots_per_page
+        paged = pool[:-1].view(-1, spp * width)  # drop the sentinel row: whole pages only
+        b = self.read_pages.shape[0]
+        return paged.index_select(0, self.read_pages.flatten()).view(b, -1, width)
+
+    def entry_slots(self, entries: torch.Tensor) -> torch.Tensor:
+        """Pool slots of entry indices ``(B, k)``."""
+        if self.read_pages is None:
+            assert self.read_slots is not None
+            return torch.gather(self.read_slots, 1, entries)
+        spp = self.slots_per_page
+        return torch.gather(self.read_pages, 1, entries // spp) * spp + entries % spp
 
 
 @dataclass(frozen=True)
@@ -142,13 +166,19 @@ def decode_metadata(
             t % p
         ) // r
         entry_slot = torch.where(complete, entry_slot, comp_sentinel)
-        g = torch.arange(max(1, context // r), device=dev)
-        ends = (g + 1) * r - 1
-        ends_b = ends[None, :].expand(t.shape[0], -1)
-        read_slots = _page_lookup(buf.vtable, ends_b, p) * s.slots_per_page + (ends_b % p) // r
+        read_pages = read_slots = None
+        if p >= r:
+            npages = -(-context // p)
+            read_pages = buf.vtable[:, :npages]
+            g = torch.arange(npages * s.slots_per_page, device=dev)
+        else:
+            g = torch.arange(max(1, context // r), device=dev)
+            ends_b = ((g + 1) * r - 1)[None, :].expand(t.shape[0], -1)
+            read_slots = _page_lookup(buf.vtable, ends_b, p) * s.slots_per_page
         visible = (g[None, :] < ((t + 1) // r)[:, None]) & valid[:, None]
         streams[r] = StreamMeta(
-            ring_new, group_rows, src, group, entry_slot, read_slots, visible
+            ring_new, group_rows, src, group, entry_slot, read_pages, read_slots, visible,
+            s.slots_per_page,
         )
     return DecodeMeta(t, swa_new, window_slots, wmask, streams)
 
@@ -170,10 +200,12 @@ class GraphKeys:
             comp = layer.weights.compressor
             assert comp is not None
             self._compress(layer, comp, sm, self.pools.ring[i], self.pools.compressed[i])
-            slots, vis = sm.read_slots, sm.visible
             if cfg.is_sparse(ratio):
                 slots, vis = self._select(layer, sm)
-            keys = torch.cat((keys, self.pools.compressed[i][slots]), dim=1)
+                entries = self.pools.compressed[i][slots]
+            else:
+                entries, vis = sm.all_entries(self.pools.compressed[i]), sm.visible
+            keys = torch.cat((keys, entries), dim=1)
             mask = torch.cat((mask, vis), dim=1)
         return ops.sink_attention(layer.q, keys, mask, layer.weights.sink, cfg.scale)
 
@@ -197,13 +229,13 @@ class GraphKeys:
         self._compress(layer, idx.compressor, sm, self.pools.index_ring[i],
                        self.pools.index_keys[i])
         n = layer.x.shape[0]
-        keys = self.pools.index_keys[i][sm.read_slots]  # (B, G, di)
+        keys = sm.all_entries(self.pools.index_keys[i])  # (B, G, di)
         q = (layer.x @ idx.w_q).view(n, cfg.index_heads, cfg.index_dim)
         q = ops.rope(q, layer.positions, cfg.rope_dim, cfg.rope_theta)
         scores = ops.index_scores(q, layer.x @ idx.w_weight, keys)
         scores = scores.masked_fill(~sm.visible, float("-inf"))
         values, chosen = ops.topk_lowest_index(scores, min(cfg.index_topk, scores.shape[1]))
-        return torch.gather(sm.read_slots, 1, chosen), torch.isfinite(values)
+        return sm.entry_slots(chosen), torch.isfinite(values)
 
 
 def _bucket(n: int, lo: int) -> int:
@@ -275,8 +307,11 @@ class GraphDecoder:
 
 
 def _slice_batch(meta: DecodeMeta, b: int) -> DecodeMeta:
+    def cut(x):
+        return x[:b] if isinstance(x, torch.Tensor) else x
+
     streams = {
-        r: StreamMeta(*(getattr(s, f)[:b] for f in StreamMeta.__dataclass_fields__))
+        r: StreamMeta(*(cut(getattr(s, f)) for f in StreamMeta.__dataclass_fields__))
         for r, s in meta.streams.items()
     }
     return DecodeMeta(

@@ -114,11 +114,17 @@ def finish_entries(
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Lightning-indexer score ``sum_h w_h * relu(q_h . k)``: q ``(N, Hi, di)``, w ``(N, Hi)``,
     keys ``(N, E, di)`` -> ``(N, E)``."""
-    # The dot products run in the input dtype (fp32 accumulation inside the matmul): at 1M
-    # tokens the keys are the bulk of the traffic. The head reduction runs in fp32 / fp64.
-    dots = torch.einsum("nhd,ned->nhe", q.to(keys.dtype), keys)
-    acc = acc_dtype(dots)
-    return torch.einsum("nh,nhe->ne", w.to(acc), torch.relu(dots).to(acc))
+    # fp32 / fp64 keys: exact maths in that precision. 16-bit keys (the GPU path): both
+    # contractions are 16-bit matmuls with fp32 accumulation, as V4's FP8 indexer is low
+    # precision too; at 1M tokens an fp32 copy of the (N, Hi, E) products would cost more than
+    # the products themselves. Ties that rounding creates are broken by index, identically in
+    # every path of the same dtype.
+    if keys.dtype in (torch.bfloat16, torch.float16):
+        dots = torch.relu(torch.einsum("nhd,ned->nhe", q.to(keys.dtype), keys))
+        return torch.bmm(w.to(keys.dtype)[:, None, :], dots)[:, 0, :].float()
+    dt = acc_dtype(q)
+    dots = torch.einsum("nhd,ned->nhe", q.to(dt), keys.to(dt))
+    return torch.einsum("nh,nhe->ne", w.to(dt), torch.relu(dots))
 
 
 def topk_lowest_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

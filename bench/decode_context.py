@@ -42,7 +42,8 @@ def setup(model, weights, batch: int, context: int, steps: int, page: int):
     full = batch * (-(-(context + steps + 1) // page) + 1) * page
     chunk = 16384
     cache_cfg = model.cache_config(
-        page_size=page, full_capacity=full, swa_capacity=(chunk + 8 * page) + batch * 4 * page
+        page_size=page, full_capacity=full,
+        swa_capacity=2 * chunk + 8 * page + batch * 4 * page,  # a chunk is trimmed after the next
     )
     cache = ShadowRadixCache(cache_cfg)
     pools = KVPools(model, cache_cfg, weights.device, weights.dtype)
@@ -51,8 +52,9 @@ def setup(model, weights, batch: int, context: int, steps: int, page: int):
     for _ in range(batch):
         prompt = rng.integers(0, 256, context + 1)
         r = cache.admit(prompt)  # no match: fresh tree per point
-        while len(r.prompt_remaining) > 1:
-            cache.extend(r, r.prompt_remaining[: min(chunk, len(r.prompt_remaining) - 1)])
+        while len(r.prompt_remaining) > 2:
+            cache.extend(r, r.prompt_remaining[: min(chunk, len(r.prompt_remaining) - 2)])
+        cache.extend(r, r.prompt_remaining[:1])  # a one-token step trims the chunk's window
         requests.append(r)
     gen = torch.Generator(device=weights.device).manual_seed(context)
     fill_pools(pools, gen)
@@ -100,6 +102,25 @@ def _replay(decoder: GraphDecoder, requests):
     return out[:batch]
 
 
+def profile_point(model, weights, batch: int, context: int, page: int) -> None:
+    """Where the time of one eager decode step goes (CUDA kernel totals over 5 steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache, cache_cfg, pools, requests = setup(model, weights, batch, context, 8, page)
+    decoder = GraphDecoder(weights, pools, cache_cfg, batch, context + 9, use_graphs=False,
+                           min_context_bucket=context + 9)
+    tokens = [int(r.prompt_remaining[0]) for r in requests]
+    cache.extend_batch(requests, [[t] for t in tokens])
+    decoder.step(requests, tokens)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            decoder._run(batch, context + 9)
+        torch.cuda.synchronize()
+    print(f"# profile: batch {batch}, context {context}, 5 eager steps")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="flash-shaped")
@@ -111,6 +132,7 @@ def main() -> int:
     ap.add_argument("--eager-contexts", default="4096,65536",
                     help="also time these contexts without CUDA graphs")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--profile", default="", help="BATCHxCONTEXT[,...]: top CUDA kernels there")
     args = ap.parse_args()
     model = preset(args.model)
     if args.layers:
@@ -133,6 +155,9 @@ def main() -> int:
                       f"{row['host_share']:.1%} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    for point in filter(None, args.profile.split(",")):
+        b, c = (int(x) for x in point.split("x"))
+        profile_point(model, weights, b, c, args.page_size)
     return 0
 
 
