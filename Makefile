@@ -1,10 +1,11 @@
-# One command each, on a fresh clone: `make demo` (the main job) and `make test` (the suite).
+# One command each, on a fresh clone: `make run` (the main job: an end-to-end decode through the
+# bundled runner on its embedded default model) and `make test` (the suite).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test thorough bench lint clean
+.PHONY: run demo test thorough bench lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -12,6 +13,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q 'torch==2.13.0'  # the CPU wheel on local disk; never a CUDA download
 	$(BIN)/pip install -q -e '.[dev,torch]'
 	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/shadowradix run
 
 demo: $(STAMP)
 	$(BIN)/shadowradix demo
@@ -27,7 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/trace_replay.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check shadowradix hisparse tests bench
+	$(BIN)/ruff check shadowradix hisparse adapters tests bench
 	$(BIN)/mypy
 
 clean:

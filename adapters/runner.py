@@ -27,7 +27,7 @@ from .graph_decode import GraphDecoder
 from .model_config import ModelConfig
 from .paged import build_step, run_step
 from .pools import KVPools
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, sample_batch
 from .weights import ModelWeights, init_weights
 
 
@@ -280,16 +280,13 @@ class Runner:
         last = [len(s.request.prompt_remaining) == 0 for s in seqs]
         logits = self._forward(seqs, chunks, alloc, last)
         self.stats.prefill_tokens += sum(len(c) for c in chunks)
-        done, row = [], 0
-        for seq, is_last in zip(seqs, last):
+        for seq in seqs:
             # After every chunk, as SGLang does: the chunk's pages enter the tree with their
             # live SWA, so a later prompt branching anywhere inside this one still finds a
             # window (SWA eviction tombstones node heads before tails when SWA runs short).
             self.cache.cache_unfinished(seq.request)
-            if is_last:
-                done += self._emit(seq, seq.sampler.sample(logits[row]))
-                row += 1
-        return done
+        ready = [seq for seq, is_last in zip(seqs, last) if is_last]
+        return self._emit_all(ready, logits)
 
     def _decode(self) -> list[GenerationResult]:
         seqs = [s for s in self._running if s.decoding and s.result.finish_reason is None]
@@ -305,10 +302,13 @@ class Runner:
         else:
             logits = self._graph_forward(seqs, [c[0] for c in chunks])
         self.stats.decode_tokens += len(seqs)
-        done = []
-        for i, seq in enumerate(seqs):
-            done += self._emit(seq, seq.sampler.sample(logits[i]))
-        return done
+        return self._emit_all(seqs, logits)
+
+    def _emit_all(self, seqs: list[_Seq], logits: torch.Tensor) -> list[GenerationResult]:
+        if not seqs:
+            return []
+        tokens = sample_batch([s.sampler for s in seqs], logits)
+        return [res for seq, tok in zip(seqs, tokens) for res in self._emit(seq, tok)]
 
     def _emit(self, seq: _Seq, token: int) -> list[GenerationResult]:
         res = seq.result

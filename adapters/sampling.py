@@ -32,6 +32,13 @@ class SamplingParams:
             raise InvalidRequestError("seed must be an int")
 
 
+def sample_batch(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
+    """One token per row of ``logits``: every greedy row from one batched argmax (one device
+    sync for the whole batch), the others through their own generator."""
+    greedy = logits.argmax(dim=-1).tolist()
+    return [g if s.greedy else s.sample(logits[i]) for i, (s, g) in enumerate(zip(samplers, greedy))]
+
+
 class Sampler:
     """Draws tokens for one request; its generator lives on the CPU so results do not depend on
     the device."""
@@ -40,8 +47,12 @@ class Sampler:
         self.params = params
         self.generator = torch.Generator().manual_seed(params.seed)
 
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature == 0
+
     def sample(self, logits: torch.Tensor) -> int:
-        if self.params.temperature == 0:
+        if self.greedy:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits.double().cpu() / self.params.temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -641,3 +641,23 @@ def test_zero_hit_rate_is_reported(caplog: pytest.LogCaptureFixture) -> None:
             q = c.admit(list(range(1, 41)))
             c.abort(q)
     assert caplog.text == ""
+
+
+def test_read_plan_start_covers_every_query_window_of_a_chunk() -> None:
+    from shadowradix import CacheConfig, InvalidRequestError, ShadowRadixCache
+
+    config = CacheConfig(page_size=4, window=8, compress_ratios=(0, 4, 8), overlap_ratios=(4,),
+                         full_capacity=4 * 32, swa_capacity=4 * 12)
+    cache = ShadowRadixCache(config)
+    r = cache.admit(list(range(1, 40)))
+    cache.extend(r, list(range(1, 21)))
+    alloc = cache.extend(r, list(range(21, 31)))  # chunk [20, 30)
+    start = alloc.starts[0]
+    plan = cache.read_plan(r, start=start)
+    # the first query (position 20) attends to (20 - 8, 20]: the plan starts at start - window
+    assert plan.swa_positions.tolist() == list(range(start - 8, 30))
+    assert cache.read_plan(r).swa_positions.tolist() == list(range(22, 30))
+    with pytest.raises(InvalidRequestError):
+        cache.read_plan(r, start=start - 1)  # before released_at: window no longer held
+    with pytest.raises(InvalidRequestError):
+        cache.read_plan(r, start=31)

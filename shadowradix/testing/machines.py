@@ -172,6 +172,10 @@ class CacheMachine(RuleBasedStateMachine):
         if allocation.evicted.nodes_removed or allocation.evicted.nodes_tombstoned:
             event("extend evicted")
         self._write(allocation)
+        for request, start in zip(batch, allocation.starts):
+            # every query of the chunk finds its whole window (read_plan with start=)
+            plan = self.cache.read_plan(request, start=start)
+            self.oracle.check_reads(plan, request.tokens, request.id, request.approximate)
         return True
 
     @precondition(lambda self: self.config.speculative and self.live)
