@@ -160,7 +160,13 @@ class Runner:
 
     @property
     def num_pending(self) -> int:
+        """Requests submitted and not finished (waiting or running)."""
         return len(self._waiting) + len(self._running)
+
+    @property
+    def num_prefilling(self) -> int:
+        """Requests waiting for admission or with prompt tokens still to compute."""
+        return len(self._waiting) + sum(not s.decoding for s in self._running)
 
     # -- the step --------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ def main() -> int:
     for _ in range(args.batch):
         runner.submit(rng.integers(0, 256, args.prompt_len).tolist(), params)
     t0 = time.perf_counter()
-    while runner.stats.decode_tokens < args.batch:  # until every request decodes
+    while runner.num_prefilling:  # until every request decodes
         runner.step()
     for _ in range(3):  # graph capture and warm-up
         runner.step()

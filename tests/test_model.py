@@ -15,19 +15,30 @@ from __future__ import annotations
 
 import functools
 import itertools
-import warnings
 
 import numpy as np
 import pytest
 import torch
 
 from adapters import ops
+from adapters.graph_decode import GraphDecoder
 from adapters.model_config import preset
 from adapters.paged import build_step, run_step
 from adapters.pools import KVPools
 from adapters.reference import reference_logits
 from adapters.weights import init_weights
 from shadowradix import CacheConfig, ShadowRadixCache, WindowSource
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices: intra-op threads only add synchronisation (and make timings collapse when
+    the machine is shared)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 
 # torch warns once about wrapping read-only NumPy arrays (the cache's slot arrays); harmless.
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
@@ -49,12 +60,12 @@ TOKENS: list[int] = np.random.default_rng(1234).integers(0, 256, N_TOKENS).tolis
 CRITICAL = (3, 4, 5, 7, 8, 9, 127, 128, 129, 255, 256, 257, 511, 512, 513)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def weights_for(cfg, dtype):
     return init_weights(cfg, "cpu", dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ref_logits(cfg, dtype, tokens: tuple[int, ...]) -> torch.Tensor:
     return reference_logits(weights_for(cfg, dtype), list(tokens))
 
@@ -81,10 +92,11 @@ class Paged:
         self.pools = KVPools(cfg, self.cc, "cpu", dtype)
 
     def admit(self, prompt: list[int], reuse: bool = True):
-        """``reuse``: resume after the longest cached prefix of ``prompt[:-1]`` (else from 0)."""
+        """``reuse``: resume after the longest cached prefix of ``prompt[:-1]``; otherwise the
+        caller expects no hit (fresh cache / unrelated prompt) and it is asserted."""
         if reuse and len(prompt) > 1:
             return self.cache.admit(prompt, self.cache.match_prefix(prompt[:-1]))
-        req = self.cache.admit(prompt, self.cache.match_prefix(prompt[:0] or prompt[:1]))
+        req = self.cache.admit(prompt)
         assert req.length == 0
         return req
 
@@ -170,25 +182,38 @@ def test_prompt_length_then_decode_matches_reference(page: int, length: int) -> 
 
 
 @pytest.mark.parametrize(
-    "page,shared,finish_first",
-    [(4, 129, True), (16, 257, True), (16, 200, False), (64, 300, True), (1, 131, False)],
+    "page,len_a,shared,finish_first",
+    [
+        (4, 129, 129, True),  # b extends a (multi-turn)
+        (16, 265, 260, True),  # b diverges from a inside a's last page
+        (16, 200, 200, False),  # a still running (published by cache_unfinished)
+        (64, 300, 300, True),
+        (1, 131, 130, False),
+    ],
 )
-def test_prefix_reuse_matches_reference(page: int, shared: int, finish_first: bool) -> None:
+def test_prefix_reuse_matches_reference(page: int, len_a: int, shared: int,
+                                        finish_first: bool) -> None:
     """A second request reusing the first one's cached prefix (compressed entries from the tree,
-    window and in-flight ring rows from the shadows) still equals recomputation exactly."""
-    a = TOKENS[:320]
-    b = TOKENS[:shared] + TOKENS[400:400 + 61]  # diverges after `shared` tokens
+    window and in-flight ring rows from the shadows) still equals recomputation exactly.
+
+    Only boundaries whose preceding window is still live can be resumed from; the window a
+    request keeps is the one before its last page boundary, so ``b`` shares ``a`` up to (at
+    least) that boundary."""
+    a = TOKENS[:len_a]
+    b = TOKENS[:shared] + TOKENS[400:461]  # diverges after `shared` tokens
     eng = Paged(CFG, page, max_chunk=64)
     ra = eng.admit(a, reuse=False)
     eng.prefill(ra, [37] * 20)
     eng.cache.cache_unfinished(ra)
     if finish_first:
+        for t in TOKENS[470:473]:  # a decodes a little; its window moves on
+            eng.step([ra], [[t]])
         eng.cache.finish(ra)
     match = eng.cache.match_prefix(b[:-1])
-    assert match.prefix_len > 0 and match.prefix_len <= shared
-    assert match.prefix_len == shared // page * page  # the deepest page boundary: window live
-    assert match.window is not WindowSource.NONE
+    assert match.prefix_len == min(shared, len_a) // page * page
+    assert match.window is WindowSource.LIVE and match.hit_len == match.prefix_len
     rb = eng.cache.admit(b, match)
+    assert rb.length == match.prefix_len
     got = [eng.prefill(rb, [23] * 20)]
     for t in TOKENS[500:503]:  # decode continues after the prefix hit
         got += eng.step([rb], [[t]])
@@ -197,7 +222,47 @@ def test_prefix_reuse_matches_reference(page: int, shared: int, finish_first: bo
     if not finish_first:
         eng.cache.finish(ra)
     eng.cache.finish(rb)
+    assert eng.cache.stats().hit_tokens == match.prefix_len
     eng.cache.check_invariants()
+
+
+@pytest.mark.parametrize("page,shared", [(4, 129), (16, 200), (64, 300)])
+def test_publishing_every_chunk_allows_mid_prompt_reuse(page: int, shared: int) -> None:
+    """As the runner does: ``cache_unfinished`` after every prefill chunk puts each chunk's pages
+    into the tree with their live SWA, so a request branching mid-prompt resumes at the deepest
+    page boundary before the branch, and still equals recomputation exactly."""
+    a = TOKENS[:320]
+    b = TOKENS[:shared] + TOKENS[400:450]
+    eng = Paged(CFG, page, max_chunk=64)
+    ra = eng.admit(a, reuse=False)
+    for chunk in (37, 64, 64, 64, 64, 27):
+        eng.step([ra], [ra.prompt_remaining[:chunk].tolist()])
+        eng.cache.cache_unfinished(ra)
+    assert ra.length == 320
+    match = eng.cache.match_prefix(b[:-1])
+    assert match.prefix_len == shared // page * page and match.window is WindowSource.LIVE
+    rb = eng.cache.admit(b, match)
+    got = eng.prefill(rb, [41] * 5)
+    assert_exact(got, ref_logits(CFG, torch.float64, tuple(b))[match.prefix_len:], "mid-prompt")
+    eng.cache.finish(ra)
+    eng.cache.finish(rb)
+    eng.cache.check_invariants()
+
+
+def test_prefix_without_live_window_is_not_reused() -> None:
+    """Without publishing each chunk, the mid-prompt windows of a chunked prefill are released
+    (private pages), so a request sharing only the first 129 tokens of a 320-token request cannot
+    resume (cached_len > 0, prefix_len 0) and must be recomputed, still exactly."""
+    a, b = TOKENS[:320], TOKENS[:129] + TOKENS[400:440]
+    eng = Paged(CFG, 4, max_chunk=64)
+    ra = eng.admit(a, reuse=False)
+    eng.prefill(ra, [64] * 5)
+    eng.cache.finish(ra)
+    match = eng.cache.match_prefix(b[:-1])
+    assert match.cached_len == 128 and match.prefix_len == 0
+    rb = eng.cache.admit(b, match)
+    assert_exact(eng.prefill(rb, [50] * 4), ref_logits(CFG, torch.float64, tuple(b)))
+    eng.cache.finish(rb)
 
 
 @pytest.mark.parametrize("page", [4, 16])
@@ -231,17 +296,47 @@ def test_batched_requests_in_one_step_match_reference(page: int) -> None:
 def test_short_window_config_matches_reference(page: int) -> None:
     """window 16 with C4 + C16: windows and groups roll over many times in a short prompt;
     prefix reuse from a finished request included."""
-    a, b = TOKENS[:90], TOKENS[:45] + TOKENS[200:240]
+    a = TOKENS[:90]
+    b = a + TOKENS[200:240]  # a follow-up turn: shares all of a
     eng = Paged(SHORT, page, max_chunk=7)
     ra = eng.admit(a, reuse=False)
     assert_exact(eng.prefill(ra, [1, 3, 5, 7] * 30), ref_logits(SHORT, torch.float64, tuple(a)))
     eng.cache.finish(ra)
     rb = eng.admit(b)
     start = rb.length
-    assert start == 45 // page * page
+    assert start == 90 // page * page
     got = eng.prefill(rb, [5, 7] * 20)
     assert_exact(got, ref_logits(SHORT, torch.float64, tuple(b))[start:], "short-window reuse")
     eng.cache.finish(rb)
+    eng.cache.check_invariants()
+
+
+@pytest.mark.parametrize("page", [1, 4, 16, 64])
+def test_graph_decoder_matches_reference_exactly(page: int) -> None:
+    """`GraphDecoder` (decode slots computed from raw batch state, eager on the CPU) after a
+    paged prefill: a batch of requests decoding across the 4/8, 128 and 256 boundaries, with
+    requests joining and leaving the batch (buffer rows re-uploaded), equals the reference."""
+    prompts = [TOKENS[:125], TOKENS[:254], TOKENS[300:303], TOKENS[100:160]]
+    eng = Paged(CFG, page, max_chunk=100, full_tokens=1600)
+    dec = GraphDecoder(eng.weights, eng.pools, eng.cc, max_batch=4,
+                       max_context=eng.cc.full_capacity, min_context_bucket=64)
+    reqs = [eng.admit(p, reuse=False) for p in prompts]
+    got: list[list[torch.Tensor]] = [[eng.prefill(r, [100] * 3)] for r in reqs]
+    fed: list[list[int]] = [[] for _ in prompts]
+    for k in range(7):
+        live = [0, 1, 2] if k < 4 else [1, 3, 2]  # request 0 leaves, 3 joins in another row
+        toks = [TOKENS[460 + 5 * i + k] for i in live]
+        batch = [reqs[i] for i in live]
+        eng.cache.extend_batch(batch, [[t] for t in toks])
+        logits = dec.step(batch, toks)
+        for j, i in enumerate(live):
+            got[i].append(logits[j: j + 1])
+            fed[i].append(toks[j])
+    for i, p in enumerate(prompts):
+        ref = ref_logits(CFG, torch.float64, tuple(p + fed[i]))
+        assert_exact(torch.cat(got[i]), ref, f"request {i}")
+    for r in reqs:
+        eng.cache.finish(r)
     eng.cache.check_invariants()
 
 
@@ -313,28 +408,36 @@ def _brute_topk(row: list[float], k: int) -> list[int]:
     return sorted(range(len(row)), key=lambda i: (-row[i], i))[:k]
 
 
-def test_topk_lowest_index_breaks_ties_by_lowest_index() -> None:
-    scores = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 0.0, 0.0]])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_topk_lowest_index_breaks_ties_by_lowest_index(dtype) -> None:
+    """fp64 goes through a stable sort, other dtypes through packed (score bits, index) keys:
+    both must pick the same entries, ties resolved by the lowest index."""
+    scores = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 0.0, 0.0]], dtype=dtype)
     _, idx = ops.topk_lowest_index(scores, 4)
     assert idx.tolist() == [[1, 2, 4, 0]]
     _, idx = ops.topk_lowest_index(scores, 6)
     assert idx.tolist() == [[1, 2, 4, 0, 3, 5]]
     # all zero (ReLU scores often are): the first k indices
-    vals, idx = ops.topk_lowest_index(torch.zeros(2, 9, dtype=torch.float64), 3)
+    vals, idx = ops.topk_lowest_index(torch.zeros(2, 9, dtype=dtype), 3)
     assert idx.tolist() == [[0, 1, 2]] * 2 and vals.tolist() == [[0.0] * 3] * 2
-    # -inf (masked) entries come last, ties among them by index too
+    # -0.0 ties with +0.0
+    _, idx = ops.topk_lowest_index(torch.tensor([[-0.0, 0.0, -0.0, 0.0]], dtype=dtype), 3)
+    assert idx.tolist() == [[0, 1, 2]]
+    # -inf (masked) entries come last, ties among them by index too; negatives order correctly
     inf = float("-inf")
-    vals, idx = ops.topk_lowest_index(torch.tensor([[inf, 0.0, inf, 0.0]]), 4)
-    assert idx.tolist() == [[1, 3, 0, 2]]
-    assert torch.isfinite(vals).tolist() == [[True, True, False, False]]
-    # many random rows with heavy ties, against a brute-force ordering (longer than torch's
-    # small-sort cutoff, so a non-stable sort would show)
+    row = torch.tensor([[inf, 0.0, inf, 0.0, -2.5, -1.0, 7.0]], dtype=dtype)
+    vals, idx = ops.topk_lowest_index(row, 7)
+    assert idx.tolist() == [[6, 1, 3, 5, 4, 0, 2]]
+    assert vals.dtype == dtype and torch.equal(vals, row[:, idx[0]])
+    assert torch.isfinite(vals).tolist() == [[True] * 5 + [False] * 2]
+    # many random rows with heavy ties (and signs), against a brute-force ordering; longer
+    # than torch's small-sort cutoff, so a non-stable sort would show
     g = torch.Generator().manual_seed(0)
-    s = torch.randint(0, 4, (64, 300), generator=g).double()
+    s = (torch.randint(-3, 4, (64, 300), generator=g) * 0.5).to(dtype)
     for k in (1, 7, 300):
         _, idx = ops.topk_lowest_index(s, k)
-        for row, got in zip(s.tolist(), idx.tolist()):
-            assert got == _brute_topk(row, k)
+        for r, got in zip(s.double().tolist(), idx.tolist()):
+            assert got == _brute_topk(r, k)
 
 
 def test_rope_inverse_undoes_rope_and_is_a_relative_rotation() -> None:
@@ -362,12 +465,12 @@ def test_rope_inverse_undoes_rope_and_is_a_relative_rotation() -> None:
 @pytest.mark.parametrize("iters", [12, 60])
 def test_sinkhorn_is_doubly_stochastic(iters: int) -> None:
     g = torch.Generator().manual_seed(2)
-    logits = 3.0 * torch.randn(20, 4, 4, generator=g, dtype=torch.float64)
+    logits = torch.randn(20, 4, 4, generator=g, dtype=torch.float64)
     m = ops.sinkhorn(logits, iters)
     assert bool((m >= 0).all())
     # the last normalisation is over columns: exact; rows converge geometrically
     torch.testing.assert_close(m.sum(-2), torch.ones(20, 4, dtype=torch.float64))
-    row_tol = 1e-2 if iters == 12 else 1e-9
+    row_tol = 1e-3 if iters == 12 else 1e-9
     assert float((m.sum(-1) - 1).abs().max()) < row_tol
     # invariant to a constant shift of the logits (it subtracts the max)
     torch.testing.assert_close(ops.sinkhorn(logits + 50.0, iters), m)
