@@ -40,8 +40,12 @@ def add_run_parser(sub) -> None:
     run.add_argument("--swa-tokens", type=int, default=8 * 1024)
     run.add_argument("--chunk-tokens", type=int, default=256)
     run.add_argument("--max-running", type=int, default=32)
-    run.add_argument("--arrival-steps", type=int, default=2,
-                     help="submit one prompt every N steps (0: all at once)")
+    run.add_argument(
+        "--arrival-steps",
+        type=int,
+        default=2,
+        help="submit one prompt every N steps (0: all at once)",
+    )
     run.add_argument("--quiet", action="store_true", help="no progress bar, no completions")
 
 

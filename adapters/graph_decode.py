@@ -91,7 +91,12 @@ class DecodeBuffers:
         b = len(requests)
         if b > self.max_batch:
             raise ValueError(f"batch {b} exceeds the decode buffers ({self.max_batch})")
-        rows, cols, vvals, srows, scols, svals = [], [], [], [], [], []
+        rows: list[int] = []
+        cols: list[int] = []
+        vvals: list[int] = []
+        srows: list[int] = []
+        scols: list[int] = []
+        svals: list[int] = []
         for i, r in enumerate(requests):
             if r.length > self.max_context:
                 raise ValueError(f"request length {r.length} exceeds max_context")
@@ -110,9 +115,12 @@ class DecodeBuffers:
             self._uploaded[i] = (r.id, len(vp), top)
         dev = self.tokens.device
         head = np.array(
-            [tokens + [0] * (self.max_batch - b),
-             [r.length for r in requests] + [1] * (self.max_batch - b),
-             [1] * b + [0] * (self.max_batch - b)], dtype=np.int64,
+            [
+                tokens + [0] * (self.max_batch - b),
+                [r.length for r in requests] + [1] * (self.max_batch - b),
+                [1] * b + [0] * (self.max_batch - b),
+            ],
+            dtype=np.int64,
         )
         head_t = torch.from_numpy(head).to(dev, non_blocking=True)
         self.tokens.copy_(head_t[0])
@@ -162,9 +170,7 @@ def decode_metadata(
         src = torch.where(rpos < 0, 2, torch.where(rpos == t[:, None], 1, 0))
         rpos_c = rpos.clamp(min=0)
         group_rows = _page_lookup(buf.stable, rpos_c, p) * ring_len + rpos_c % ring_len
-        entry_slot = _page_lookup(buf.vtable, t[:, None], p)[:, 0] * s.slots_per_page + (
-            t % p
-        ) // r
+        entry_slot = _page_lookup(buf.vtable, t[:, None], p)[:, 0] * s.slots_per_page + (t % p) // r
         entry_slot = torch.where(complete, entry_slot, comp_sentinel)
         read_pages = read_slots = None
         if p >= r:
@@ -177,7 +183,14 @@ def decode_metadata(
             read_slots = _page_lookup(buf.vtable, ends_b, p) * s.slots_per_page
         visible = (g[None, :] < ((t + 1) // r)[:, None]) & valid[:, None]
         streams[r] = StreamMeta(
-            ring_new, group_rows, src, group, entry_slot, read_pages, read_slots, visible,
+            ring_new,
+            group_rows,
+            src,
+            group,
+            entry_slot,
+            read_pages,
+            read_slots,
+            visible,
             s.slots_per_page,
         )
     return DecodeMeta(t, swa_new, window_slots, wmask, streams)
@@ -226,8 +239,9 @@ class GraphKeys:
         cfg, i = self.cfg, layer.index
         idx = layer.weights.indexer
         assert idx is not None
-        self._compress(layer, idx.compressor, sm, self.pools.index_ring[i],
-                       self.pools.index_keys[i])
+        self._compress(
+            layer, idx.compressor, sm, self.pools.index_ring[i], self.pools.index_keys[i]
+        )
         n = layer.x.shape[0]
         keys = sm.all_entries(self.pools.index_keys[i])  # (B, G, di)
         q = (layer.x @ idx.w_q).view(n, cfg.index_heads, cfg.index_dim)
@@ -315,6 +329,9 @@ def _slice_batch(meta: DecodeMeta, b: int) -> DecodeMeta:
         for r, s in meta.streams.items()
     }
     return DecodeMeta(
-        meta.positions[:b], meta.swa_new[:b], meta.window_slots[:b], meta.window_mask[:b],
+        meta.positions[:b],
+        meta.swa_new[:b],
+        meta.window_slots[:b],
+        meta.window_mask[:b],
         streams,
     )

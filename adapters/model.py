@@ -86,7 +86,11 @@ def forward(
 
 
 def compress_rows(
-    cfg: ModelConfig, rows: torch.Tensor, ratio: int, groups: torch.Tensor, norm: torch.Tensor,
+    cfg: ModelConfig,
+    rows: torch.Tensor,
+    ratio: int,
+    groups: torch.Tensor,
+    norm: torch.Tensor,
     rope_dim: int,
 ) -> torch.Tensor:
     """Entries ``(E, dim)`` from gathered in-flight rows ``(E, R, 2*width)`` of groups."""

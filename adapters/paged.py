@@ -90,8 +90,9 @@ def _stream_step(
     src = np.where(
         need >= sreq,
         offsets[e_req][:, None] + need - sreq,
-        np.where(need >= 0, n + carry_base[e_req][:, None] + need - carry_first[e_req][:, None],
-                 n + c),
+        np.where(
+            need >= 0, n + carry_base[e_req][:, None] + need - carry_first[e_req][:, None], n + c
+        ),
     )
     entries = [p.stream(r).entry_slots for p in plans]
     g = max(1, max(len(e) for e in entries))
@@ -122,7 +123,9 @@ def build_step(
     win, win_mask = _window(plans, req, pos, model.window)
 
     def t(a: np.ndarray, dtype=torch.long) -> torch.Tensor:
-        return torch.from_numpy(np.require(a, requirements=["C", "W"])).to(device=device, dtype=dtype)
+        return torch.from_numpy(np.require(a, requirements=["C", "W"])).to(
+            device=device, dtype=dtype
+        )
 
     streams = {}
     for s in arrays.streams:
@@ -187,7 +190,11 @@ class PagedKeys:
         source = torch.cat((rows, carried, pad), dim=0)
         dim = pool.shape[1]
         ent = compress_rows(
-            self.model, source[ss.entry_src], ss.ratio, ss.entry_groups, comp.norm,
+            self.model,
+            source[ss.entry_src],
+            ss.ratio,
+            ss.entry_groups,
+            comp.norm,
             self.model.rope_dim,
         )
         assert ent.shape[1] == dim
@@ -198,8 +205,9 @@ class PagedKeys:
         cfg, i = self.model, layer.index
         idx = layer.weights.indexer
         assert idx is not None
-        self._compress(layer, idx.compressor, ss, self.pools.index_ring[i],
-                       self.pools.index_keys[i])
+        self._compress(
+            layer, idx.compressor, ss, self.pools.index_ring[i], self.pools.index_keys[i]
+        )
         n = layer.x.shape[0]
         keys = self.pools.index_keys[i][slots]
         q = (layer.x @ idx.w_q).view(n, cfg.index_heads, cfg.index_dim)

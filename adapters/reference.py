@@ -52,6 +52,7 @@ class DenseKeys:
         mask = win_mask
         ratio = layer.weights.ratio
         if ratio:
+            assert layer.weights.compressor is not None
             entries = self.entries(layer.x, layer.weights.compressor, ratio, cfg.rope_dim)
             g = torch.arange(entries.shape[0], device=t.device)
             visible = (g[None, :] + 1) * ratio - 1 <= t[:, None]  # (T, G)

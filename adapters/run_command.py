@@ -24,7 +24,10 @@ def build_runner(args: argparse.Namespace) -> Runner:
         page_size=args.page_size, full_capacity=args.full_tokens, swa_capacity=args.swa_tokens
     )
     return Runner(
-        model, cache, device=args.device, chunk_tokens=args.chunk_tokens,
+        model,
+        cache,
+        device=args.device,
+        chunk_tokens=args.chunk_tokens,
         max_running=args.max_running,
     )
 
@@ -41,8 +44,13 @@ def run_command(args: argparse.Namespace, texts: list[str]) -> int:
         flush=True,
     )
     pending = [tok.encode(t) for t in texts]
-    bar = tqdm(total=len(pending) * args.max_new_tokens, unit="tok", disable=args.quiet,
-               file=sys.stderr, desc="decode")
+    bar = tqdm(
+        total=len(pending) * args.max_new_tokens,
+        unit="tok",
+        disable=args.quiet,
+        file=sys.stderr,
+        desc="decode",
+    )
     results: list[GenerationResult] = []
     start, step = time.perf_counter(), 0
     ids: dict[int, int] = {}
@@ -51,7 +59,7 @@ def run_command(args: argparse.Namespace, texts: list[str]) -> int:
             batch = pending if args.arrival_steps <= 0 else pending[:1]
             for prompt in batch:
                 ids[runner.submit(prompt, params)] = len(ids)
-            pending = pending[len(batch):]
+            pending = pending[len(batch) :]
         done = runner.step()
         step += 1
         bar.update(sum(len(r.output) for r in done))
@@ -60,8 +68,10 @@ def run_command(args: argparse.Namespace, texts: list[str]) -> int:
     wall = time.perf_counter() - start
     if not args.quiet:
         for res in sorted(results, key=lambda r: ids[r.request_id]):
-            print(f"[{ids[res.request_id]}] {res.finish_reason:>6} "
-                  f"(hit {res.cached_tokens} tok): {tok.decode(res.output)!r}")
+            print(
+                f"[{ids[res.request_id]}] {res.finish_reason:>6} "
+                f"(hit {res.cached_tokens} tok): {tok.decode(res.output)!r}"
+            )
     print(summary(runner, results, wall))
     return 0
 
@@ -84,5 +94,7 @@ def summary(runner: Runner, results: list[GenerationResult], wall: float) -> str
         f"time: forward {st.forward_s:.2f} s, scheduling + cache {st.schedule_s:.2f} s",
     ]
     if runner.device.type == "cuda":
-        lines.append(f"GPU memory peak {torch.cuda.max_memory_allocated(runner.device) / 2**30:.2f} GiB")
+        lines.append(
+            f"GPU memory peak {torch.cuda.max_memory_allocated(runner.device) / 2**30:.2f} GiB"
+        )
     return "\n".join(lines)

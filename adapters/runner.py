@@ -67,6 +67,12 @@ class _Seq:
         return self.result.prompt + self.result.output
 
     @property
+    def req(self) -> Request:
+        """The live cache request (only while running)."""
+        assert self.request is not None, "request is not running"
+        return self.request
+
+    @property
     def decoding(self) -> bool:
         return self.request is not None and len(self.request.prompt_remaining) == 0
 
@@ -114,8 +120,9 @@ class Runner:
         if graph_decode is None:
             graph_decode = self.device.type == "cuda"
         self.decoder = (
-            GraphDecoder(self.weights, self.pools, cache_config, max_running,
-                         cache_config.full_capacity)
+            GraphDecoder(
+                self.weights, self.pools, cache_config, max_running, cache_config.full_capacity
+            )
             if graph_decode
             else None
         )
@@ -235,7 +242,7 @@ class Runner:
                 return [], [], None
             seqs, chunks = [s for s, _ in live], [c for _, c in live]
             try:
-                alloc = self.cache.extend_batch([s.request for s in seqs], chunks)
+                alloc = self.cache.extend_batch([s.req for s in seqs], chunks)
                 return seqs, chunks, alloc
             except CapacityError:
                 if not self._preempt():
@@ -243,7 +250,7 @@ class Runner:
 
     def _forward(self, seqs: list[_Seq], chunks: list[list[int]], alloc, logits_for: list[bool]):
         t0 = time.perf_counter()
-        plans = [self.cache.read_plan(s.request, start=st) for s, st in zip(seqs, alloc.starts)]
+        plans = [self.cache.read_plan(s.req, start=st) for s, st in zip(seqs, alloc.starts)]
         flat = np.fromiter((t for c in chunks for t in c), np.int64)
         step = build_step(self.model, alloc, plans, flat, self.device)
         ends = np.cumsum([len(c) for c in chunks]) - 1
@@ -262,7 +269,7 @@ class Runner:
     def _graph_forward(self, seqs: list[_Seq], tokens: list[int]) -> torch.Tensor:
         assert self.decoder is not None
         t0 = time.perf_counter()
-        logits = self.decoder.step([s.request for s in seqs], tokens)
+        logits = self.decoder.step([s.req for s in seqs], tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats.forward_s += time.perf_counter() - t0
@@ -283,20 +290,20 @@ class Runner:
         seqs, chunks, alloc = self._extend(seqs, chunks)
         if alloc is None:
             return []
-        last = [len(s.request.prompt_remaining) == 0 for s in seqs]
+        last = [len(s.req.prompt_remaining) == 0 for s in seqs]
         logits = self._forward(seqs, chunks, alloc, last)
         self.stats.prefill_tokens += sum(len(c) for c in chunks)
         for seq in seqs:
             # After every chunk, as SGLang does: the chunk's pages enter the tree with their
             # live SWA, so a later prompt branching anywhere inside this one still finds a
             # window (SWA eviction tombstones node heads before tails when SWA runs short).
-            self.cache.cache_unfinished(seq.request)
+            self.cache.cache_unfinished(seq.req)
         ready = [seq for seq, is_last in zip(seqs, last) if is_last]
         return self._emit_all(ready, logits)
 
     def _decode(self) -> list[GenerationResult]:
         seqs = [s for s in self._running if s.decoding and s.result.finish_reason is None]
-        seqs = [s for s in seqs if s.request.length == len(s.tokens) - 1]  # one token pending
+        seqs = [s for s in seqs if s.req.length == len(s.tokens) - 1]  # one token pending
         if not seqs:
             return []
         chunks = [[s.result.output[-1]] for s in seqs]

@@ -36,7 +36,9 @@ def sample_batch(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
     """One token per row of ``logits``: every greedy row from one batched argmax (one device
     sync for the whole batch), the others through their own generator."""
     greedy = logits.argmax(dim=-1).tolist()
-    return [g if s.greedy else s.sample(logits[i]) for i, (s, g) in enumerate(zip(samplers, greedy))]
+    return [
+        g if s.greedy else s.sample(logits[i]) for i, (s, g) in enumerate(zip(samplers, greedy))
+    ]
 
 
 class Sampler:

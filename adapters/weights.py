@@ -102,9 +102,8 @@ def _hyper(init: _Init, cfg: ModelConfig) -> HyperConnection:
         w_res=init.normal(sd, s * s, std=0.1 * sd**-0.5),
         b_pre=init.normal(s, std=0.5),
         b_post=init.normal(s, std=0.5),
-        b_res=init.normal(s * s, std=1.0) + 2.0 * torch.eye(s, device=init.device).flatten().to(
-            init.dtype
-        ),
+        b_res=init.normal(s * s, std=1.0)
+        + 2.0 * torch.eye(s, device=init.device).flatten().to(init.dtype),
         norm=init.norm(sd),
     )
 

@@ -32,8 +32,13 @@ from shadowradix import ShadowRadixCache  # noqa: E402
 
 
 def fill_pools(pools: KVPools, gen: torch.Generator) -> None:
-    for group in (pools.swa, list(pools.compressed.values()), list(pools.index_keys.values()),
-                  list(pools.ring.values()), list(pools.index_ring.values())):
+    for group in (
+        pools.swa,
+        list(pools.compressed.values()),
+        list(pools.index_keys.values()),
+        list(pools.ring.values()),
+        list(pools.index_ring.values()),
+    ):
         for t in group:
             t.copy_(torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32))
 
@@ -42,7 +47,8 @@ def setup(model, weights, batch: int, context: int, steps: int, page: int):
     full = batch * (-(-(context + steps + 1) // page) + 1) * page
     chunk = 16384
     cache_cfg = model.cache_config(
-        page_size=page, full_capacity=full,
+        page_size=page,
+        full_capacity=full,
         swa_capacity=2 * chunk + 8 * page + batch * 4 * page,  # a chunk is trimmed after the next
     )
     cache = ShadowRadixCache(cache_cfg)
@@ -64,8 +70,13 @@ def setup(model, weights, batch: int, context: int, steps: int, page: int):
 def time_point(model, weights, batch, context, steps, page, graphs: bool, warmup: int = 3):
     cache, cache_cfg, pools, requests = setup(model, weights, batch, context, steps + warmup, page)
     decoder = GraphDecoder(
-        weights, pools, cache_cfg, max_batch=batch, max_context=context + steps + warmup + 1,
-        use_graphs=graphs, min_context_bucket=context + steps + warmup + 1,
+        weights,
+        pools,
+        cache_cfg,
+        max_batch=batch,
+        max_context=context + steps + warmup + 1,
+        use_graphs=graphs,
+        min_context_bucket=context + steps + warmup + 1,
     )
     tokens = [int(r.prompt_remaining[0]) for r in requests]
     host_s, step_s = [], []
@@ -85,8 +96,12 @@ def time_point(model, weights, batch, context, steps, page, graphs: bool, warmup
     del cache, pools, decoder
     torch.cuda.empty_cache()
     return {
-        "batch": batch, "context": context, "graphs": graphs,
-        "step_ms": step * 1e3, "host_ms": host * 1e3, "host_share": host / step,
+        "batch": batch,
+        "context": context,
+        "graphs": graphs,
+        "step_ms": step * 1e3,
+        "host_ms": host * 1e3,
+        "host_share": host / step,
         "tokens_per_s": batch / step,
     }
 
@@ -107,8 +122,15 @@ def profile_point(model, weights, batch: int, context: int, page: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     cache, cache_cfg, pools, requests = setup(model, weights, batch, context, 8, page)
-    decoder = GraphDecoder(weights, pools, cache_cfg, batch, context + 9, use_graphs=False,
-                           min_context_bucket=context + 9)
+    decoder = GraphDecoder(
+        weights,
+        pools,
+        cache_cfg,
+        batch,
+        context + 9,
+        use_graphs=False,
+        min_context_bucket=context + 9,
+    )
     tokens = [int(r.prompt_remaining[0]) for r in requests]
     cache.extend_batch(requests, [[t] for t in tokens])
     decoder.step(requests, tokens)
@@ -118,7 +140,9 @@ def profile_point(model, weights, batch: int, context: int, page: int) -> None:
             decoder._run(batch, context + 9)
         torch.cuda.synchronize()
     print(f"# profile: batch {batch}, context {context}, 5 eager steps")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    )
 
 
 def main() -> int:
@@ -129,8 +153,11 @@ def main() -> int:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--eager-contexts", default="4096,65536",
-                    help="also time these contexts without CUDA graphs")
+    ap.add_argument(
+        "--eager-contexts",
+        default="4096,65536",
+        help="also time these contexts without CUDA graphs",
+    )
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--profile", default="", help="BATCHxCONTEXT[,...]: top CUDA kernels there")
     args = ap.parse_args()
@@ -139,20 +166,26 @@ def main() -> int:
         model = dataclasses.replace(model, compress_ratios=model.compress_ratios[: args.layers])
     t0 = time.perf_counter()
     weights = init_weights(model, "cuda", torch.bfloat16)
-    print(f"# {model.name}: ratios {model.compress_ratios}, weights in "
-          f"{time.perf_counter() - t0:.1f} s, {torch.cuda.get_device_name()}", flush=True)
+    print(
+        f"# {model.name}: ratios {model.compress_ratios}, weights in "
+        f"{time.perf_counter() - t0:.1f} s, {torch.cuda.get_device_name()}",
+        flush=True,
+    )
     rows = []
     eager = {int(c) for c in args.eager_contexts.split(",") if c}
     print("| batch | context | graphs | step ms | tokens/s | host ms | host share |")
     print("|---|---|---|---|---|---|---|")
     for b in (int(x) for x in args.batches.split(",")):
         for c in (int(x) for x in args.contexts.split(",")):
-            for graphs in ((True, False) if c in eager else (True,)):
+            for graphs in (True, False) if c in eager else (True,):
                 row = time_point(model, weights, b, c, args.steps, args.page_size, graphs)
                 rows.append(row)
-                print(f"| {b} | {c} | {'yes' if graphs else 'no'} | {row['step_ms']:.3f} | "
-                      f"{row['tokens_per_s']:.0f} | {row['host_ms']:.3f} | "
-                      f"{row['host_share']:.1%} |", flush=True)
+                print(
+                    f"| {b} | {c} | {'yes' if graphs else 'no'} | {row['step_ms']:.3f} | "
+                    f"{row['tokens_per_s']:.0f} | {row['host_ms']:.3f} | "
+                    f"{row['host_share']:.1%} |",
+                    flush=True,
+                )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     for point in filter(None, args.profile.split(",")):

@@ -31,14 +31,26 @@ from adapters.sampling import SamplingParams  # noqa: E402
 from adapters.weights import init_weights  # noqa: E402
 from shadowradix import ShadowRadixCache  # noqa: E402
 
-SMALL = dict(hidden=64, num_heads=2, head_dim=32, rope_dim=8, index_dim=16, index_heads=2,
-             index_topk=8, mlp_hidden=96)
+SMALL = dict(
+    hidden=64,
+    num_heads=2,
+    head_dim=32,
+    rope_dim=8,
+    index_dim=16,
+    index_heads=2,
+    index_topk=8,
+    mlp_hidden=96,
+)
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-3}
 
 
 def prefill_diff(model, weights, device, dtype, length: int, chunk: int, page: int) -> float:
-    cc = model.cache_config(page_size=page, full_capacity=page * (length // page + 4),
-                            swa_capacity=page * ((chunk + 256) // page + 4), debug=True)
+    cc = model.cache_config(
+        page_size=page,
+        full_capacity=page * (length // page + 4),
+        swa_capacity=page * ((chunk + 256) // page + 4),
+        debug=True,
+    )
     cache, pools = ShadowRadixCache(cc), KVPools(model, cc, device, dtype)
     prompt = np.random.default_rng(length).integers(0, 256, length)
     r = cache.admit(prompt)
@@ -61,21 +73,33 @@ def main() -> int:
     model = preset("tiny", **SMALL)
     for dtype in (torch.float64, torch.float32):
         weights = init_weights(model, args.device, dtype)
-        for length, chunk, page in ((5, 3, 4), (9, 4, 4), (129, 37, 16), (257, 100, 64),
-                                    (513, 77, 16), (600, 600, 64)):
+        for length, chunk, page in (
+            (5, 3, 4),
+            (9, 4, 4),
+            (129, 37, 16),
+            (257, 100, 64),
+            (513, 77, 16),
+            (600, 600, 64),
+        ):
             d = prefill_diff(model, weights, args.device, dtype, length, chunk, page)
             ok = d <= TOLERANCE[dtype]
             failures += not ok
-            print(f"prefill {str(dtype):14} len {length:4} chunk {chunk:3} page {page:2}: "
-                  f"max |logit diff| {d:.3e} {'ok' if ok else 'FAIL'}", flush=True)
+            print(
+                f"prefill {str(dtype):14} len {length:4} chunk {chunk:3} page {page:2}: "
+                f"max |logit diff| {d:.3e} {'ok' if ok else 'FAIL'}",
+                flush=True,
+            )
         for graphs in (False, True):
             t0 = time.perf_counter()
             agree, total, hits, pre = generate_check(model, weights, args.device, dtype, graphs)
             ok = agree == total
             failures += not ok
-            print(f"runner  {str(dtype):14} graphs={graphs!s:5}: greedy agreement {agree}/{total}"
-                  f" requests, hit tokens {hits}, preemptions {pre} "
-                  f"({time.perf_counter() - t0:.1f} s) {'ok' if ok else 'FAIL'}", flush=True)
+            print(
+                f"runner  {str(dtype):14} graphs={graphs!s:5}: greedy agreement {agree}/{total}"
+                f" requests, hit tokens {hits}, preemptions {pre} "
+                f"({time.perf_counter() - t0:.1f} s) {'ok' if ok else 'FAIL'}",
+                flush=True,
+            )
     print("FAILURES" if failures else "all checks passed", failures)
     return 1 if failures else 0
 
@@ -86,10 +110,17 @@ def generate_check(model, weights, device, dtype, graphs: bool) -> tuple[int, in
     system = rng.integers(0, 256, 300).tolist()
     prompts = [system + rng.integers(0, 256, int(n)).tolist() for n in rng.integers(1, 230, 10)]
     prompts += [rng.integers(0, 256, int(n)).tolist() for n in (3, 4, 5, 127, 129)]
-    cc = model.cache_config(page_size=16, full_capacity=16 * 110, swa_capacity=16 * 40,
-                            debug=True)
-    runner = Runner(model, cc, device=device, dtype=dtype, weights=weights, chunk_tokens=77,
-                    max_running=6, graph_decode=graphs)
+    cc = model.cache_config(page_size=16, full_capacity=16 * 110, swa_capacity=16 * 40, debug=True)
+    runner = Runner(
+        model,
+        cc,
+        device=device,
+        dtype=dtype,
+        weights=weights,
+        chunk_tokens=77,
+        max_running=6,
+        graph_decode=graphs,
+    )
     params = SamplingParams(max_new_tokens=10)
     results = runner.generate(prompts[:1], params) + runner.generate(prompts[1:], params)
     agree = sum(

@@ -12,8 +12,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def main(src: str = "bench/results/decode_context_h200.json",
-         dst: str = "docs/img/decode_context_h200.png") -> int:
+def main(
+    src: str = "bench/results/decode_context_h200.json",
+    dst: str = "docs/img/decode_context_h200.png",
+) -> int:
     rows = [r for r in json.loads(Path(src).read_text()) if r["graphs"]]
     fig, ax = plt.subplots(figsize=(7, 4))
     for batch in sorted({r["batch"] for r in rows}):
@@ -21,8 +23,14 @@ def main(src: str = "bench/results/decode_context_h200.json",
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"batch {batch}")
         base = pts[0][1]
         for c, v in pts:
-            ax.annotate(f"{v / base:.0%}", (c, v), textcoords="offset points", xytext=(0, 6),
-                        ha="center", fontsize=8)
+            ax.annotate(
+                f"{v / base:.0%}",
+                (c, v),
+                textcoords="offset points",
+                xytext=(0, 6),
+                ha="center",
+                fontsize=8,
+            )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")

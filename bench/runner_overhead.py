@@ -62,10 +62,16 @@ def main() -> int:
         fwds.append(runner.stats.forward_s - f0)
     wall, fwd = float(np.median(walls)), float(np.median(fwds))
     row = {
-        "model": model.name, "device": str(runner.device), "batch": args.batch,
-        "prompt_len": args.prompt_len, "graphs": runner.decoder is not None,
-        "step_ms": wall * 1e3, "forward_ms": fwd * 1e3, "host_ms": (wall - fwd) * 1e3,
-        "host_share": 1 - fwd / wall, "tokens_per_s": args.batch / wall,
+        "model": model.name,
+        "device": str(runner.device),
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "graphs": runner.decoder is not None,
+        "step_ms": wall * 1e3,
+        "forward_ms": fwd * 1e3,
+        "host_ms": (wall - fwd) * 1e3,
+        "host_share": 1 - fwd / wall,
+        "tokens_per_s": args.batch / wall,
         "prefill_and_warmup_s": prefill_s,
     }
     print(json.dumps(row, indent=1))
