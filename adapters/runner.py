@@ -11,6 +11,7 @@ front, recomputed later with whatever prefix is still cached) and the extend is 
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -29,6 +30,13 @@ from .paged import build_step, run_step
 from .pools import KVPools
 from .sampling import Sampler, SamplingParams, sample_batch
 from .weights import ModelWeights, init_weights
+
+
+def _token(t: object) -> int:
+    """An int token id; floats, strings and bools are refused, not coerced."""
+    if isinstance(t, (bool, np.bool_)):
+        raise TypeError(f"{t!r} is a bool")
+    return operator.index(t)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -129,6 +137,7 @@ class Runner:
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._next_id = 0
+        self._unclaimed: list[GenerationResult] = []
         self._clock = 0
 
     # -- submission ------------------------------------------------------------------------
@@ -148,9 +157,11 @@ class Runner:
     def _validate(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be SamplingParams")
+        if isinstance(prompt, (str, bytes)):
+            raise InvalidRequestError("prompt must be a sequence of token ids (encode text first)")
         try:
-            tokens = [int(t) for t in prompt]
-        except (TypeError, ValueError) as exc:
+            tokens = [_token(t) for t in prompt]
+        except TypeError as exc:
             raise InvalidRequestError(f"prompt must be a sequence of ints: {exc}") from None
         if not tokens:
             raise InvalidRequestError("empty prompt")
@@ -190,7 +201,7 @@ class Runner:
         self, on_step: Callable[[Runner, list[GenerationResult]], None] | None = None
     ) -> list[GenerationResult]:
         """Steps until every submitted request finished; results in completion order."""
-        finished: list[GenerationResult] = []
+        finished = self.take_finished()
         while self.num_pending:
             done = self.step()
             finished += done
@@ -204,7 +215,7 @@ class Runner:
             if self._running and not self._fits(seq):
                 return
             tokens = seq.tokens
-            match = self.cache.match_prefix(tokens[:-1])
+            match = self.cache.match_prefix(tokens, max_len=len(tokens) - 1)  # leave one
             seq.request = self.cache.admit(tokens, match)
             seq.result.cached_tokens = max(seq.result.cached_tokens, match.hit_len)
             seq.admitted_at = self._clock
@@ -347,9 +358,13 @@ class Runner:
         on_step: Callable[[Runner, list[GenerationResult]], None] | None = None,
     ) -> list[GenerationResult]:
         """Runs every prompt to completion; results in prompt order. A prompt that fails
-        validation gets ``finish_reason="error"`` and never disturbs the others."""
+        validation gets ``finish_reason="error"`` and never disturbs the others. ``params``:
+        one for all, or one per prompt (`InvalidRequestError` if the counts differ). Requests
+        submitted earlier keep running; their results wait in `take_finished`."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         results: list[GenerationResult | None] = []
         ids: dict[int, int] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -359,6 +374,20 @@ class Runner:
             except InvalidRequestError as exc:
                 bad = list(prompt) if isinstance(prompt, (list, tuple)) else []
                 results.append(GenerationResult(-1, bad, finish_reason="error", error=str(exc)))
-        for res in self.run(on_step):
-            results[ids[res.request_id]] = res
+        waiting = set(ids)
+        while waiting:
+            done = self.step()
+            for res in done:
+                if res.request_id in waiting:
+                    waiting.discard(res.request_id)
+                    results[ids[res.request_id]] = res
+                else:
+                    self._unclaimed.append(res)
+            if on_step is not None:
+                on_step(self, done)
         return [r for r in results if r is not None]
+
+    def take_finished(self) -> list[GenerationResult]:
+        """Results of `submit`ted requests that finished inside a `generate` call."""
+        out, self._unclaimed = self._unclaimed, []
+        return out

@@ -10,6 +10,11 @@ import torch
 from shadowradix import InvalidRequestError
 
 
+#: Below this, logits / T overflows fp64 for ordinary logit ranges: use 0 (greedy) instead.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 1e3
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """``temperature == 0`` is greedy. ``seed`` makes temperature sampling reproducible, also
@@ -26,8 +31,13 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         t = self.temperature
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t):
+            raise InvalidRequestError(f"temperature must be a finite number, got {t!r}")
+        if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+            raise InvalidRequestError(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                f"got {t!r}"
+            )
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise InvalidRequestError("seed must be an int")
 

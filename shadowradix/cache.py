@@ -71,14 +71,24 @@ class ShadowRadixCache:
 
     # -- matching and admission ------------------------------------------------------------------
 
-    def match_prefix(self, tokens: TokenInput) -> MatchResult:
+    def match_prefix(self, tokens: TokenInput, max_len: int | None = None) -> MatchResult:
         """Longest reusable prefix of ``tokens``. Pure: changes nothing (not even LRU order).
 
         The match ends on a page boundary whose preceding ``window`` tokens are live SWA; with
         ``bounded_replay`` it may instead end at the deepest cached boundary and ask for the
         window to be replayed, when that skips more tokens.
+
+        ``max_len`` bounds the match (``len(tokens) - 1`` leaves one token to compute, also for
+        a one-token prompt: ``max_len=0`` gives the empty match, which ``admit`` accepts for
+        any prompt). Raises `InvalidRequestError` for bad tokens or a negative ``max_len``.
         """
         arr = self._as_tokens(tokens, "tokens")
+        if max_len is not None:
+            if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)):
+                raise InvalidRequestError(f"max_len must be an int, got {max_len!r}")
+            if max_len < 0:
+                raise InvalidRequestError(f"max_len must be >= 0, got {max_len}")
+            arr = arr[:max_len]
         walk = self._tree.walk(arr)
         cached_len = walk.num_pages * self.config.page_size
         node, node_pages = self._deepest_live(walk)

@@ -646,8 +646,14 @@ def test_zero_hit_rate_is_reported(caplog: pytest.LogCaptureFixture) -> None:
 def test_read_plan_start_covers_every_query_window_of_a_chunk() -> None:
     from shadowradix import CacheConfig, InvalidRequestError, ShadowRadixCache
 
-    config = CacheConfig(page_size=4, window=8, compress_ratios=(0, 4, 8), overlap_ratios=(4,),
-                         full_capacity=4 * 32, swa_capacity=4 * 12)
+    config = CacheConfig(
+        page_size=4,
+        window=8,
+        compress_ratios=(0, 4, 8),
+        overlap_ratios=(4,),
+        full_capacity=4 * 32,
+        swa_capacity=4 * 12,
+    )
     cache = ShadowRadixCache(config)
     r = cache.admit(list(range(1, 40)))
     cache.extend(r, list(range(1, 21)))
@@ -661,3 +667,29 @@ def test_read_plan_start_covers_every_query_window_of_a_chunk() -> None:
         cache.read_plan(r, start=start - 1)  # before released_at: window no longer held
     with pytest.raises(InvalidRequestError):
         cache.read_plan(r, start=31)
+
+
+def test_match_prefix_max_len_bounds_the_match_and_zero_gives_the_empty_match() -> None:
+    from shadowradix import CacheConfig, InvalidRequestError, ShadowRadixCache, WindowSource
+
+    config = CacheConfig(
+        page_size=1,
+        window=8,
+        compress_ratios=(0, 4),
+        overlap_ratios=(4,),
+        full_capacity=64,
+        swa_capacity=32,
+    )
+    cache = ShadowRadixCache(config)
+    r = cache.admit([7, 8, 9])
+    cache.extend(r, [7, 8, 9])
+    cache.finish(r)
+    assert cache.match_prefix([7, 8, 9]).prefix_len == 3  # page 1: the whole prompt matches
+    assert cache.match_prefix([7, 8, 9], max_len=2).prefix_len == 2
+    empty = cache.match_prefix([7], max_len=0)
+    assert (empty.prefix_len, empty.window) == (0, WindowSource.NONE)
+    one = cache.admit([7], empty)  # a one-token prompt still has its token to compute
+    assert one.length == 0 and one.prompt_remaining.tolist() == [7]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InvalidRequestError):
+            cache.match_prefix([7, 8], max_len=bad)

@@ -46,7 +46,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not wri
 FLOAT32_TOL = 1e-3
 
 SMALL = dict(
-    hidden=64, num_heads=2, head_dim=32, rope_dim=8, index_dim=16, index_heads=2, index_topk=8,
+    hidden=64,
+    num_heads=2,
+    head_dim=32,
+    rope_dim=8,
+    index_dim=16,
+    index_heads=2,
+    index_topk=8,
     mlp_hidden=96,
 )
 #: window 128, ratios (0, 0, 4, 128, 4, 128): the real V4 attention structure, shrunk.
@@ -78,14 +84,17 @@ class Paged:
     """Minimal engine: a cache, its pools, and `extend -> read_plan(start) -> build_step ->
     run_step` per step, returning the logits of every new token of every request."""
 
-    def __init__(self, cfg, page: int, max_chunk: int, dtype=torch.float64, full_tokens=1200,
-                 swa_tokens=None) -> None:
+    def __init__(
+        self, cfg, page: int, max_chunk: int, dtype=torch.float64, full_tokens=1200, swa_tokens=None
+    ) -> None:
         self.cfg, self.dtype = cfg, dtype
         self.weights = weights_for(cfg, dtype)
         # a request holds up to window + 2 chunks of SWA at the peak of an extend
         swa = swa_tokens or ceil_to(cfg.window + 2 * max_chunk + 3 * page, page) * 3
         self.cc = cfg.cache_config(
-            page_size=page, full_capacity=ceil_to(full_tokens, page), swa_capacity=swa,
+            page_size=page,
+            full_capacity=ceil_to(full_tokens, page),
+            swa_capacity=swa,
             debug=True,
         )
         self.cache = ShadowRadixCache(self.cc)
@@ -191,8 +200,9 @@ def test_prompt_length_then_decode_matches_reference(page: int, length: int) -> 
         (1, 131, 130, False),
     ],
 )
-def test_prefix_reuse_matches_reference(page: int, len_a: int, shared: int,
-                                        finish_first: bool) -> None:
+def test_prefix_reuse_matches_reference(
+    page: int, len_a: int, shared: int, finish_first: bool
+) -> None:
     """A second request reusing the first one's cached prefix (compressed entries from the tree,
     window and in-flight ring rows from the shadows) still equals recomputation exactly.
 
@@ -218,7 +228,7 @@ def test_prefix_reuse_matches_reference(page: int, len_a: int, shared: int,
     for t in TOKENS[500:503]:  # decode continues after the prefix hit
         got += eng.step([rb], [[t]])
     ref = ref_logits(CFG, torch.float64, tuple(b + TOKENS[500:503]))
-    assert_exact(torch.cat(got), ref[match.prefix_len:], "prefix reuse")
+    assert_exact(torch.cat(got), ref[match.prefix_len :], "prefix reuse")
     if not finish_first:
         eng.cache.finish(ra)
     eng.cache.finish(rb)
@@ -243,7 +253,7 @@ def test_publishing_every_chunk_allows_mid_prompt_reuse(page: int, shared: int) 
     assert match.prefix_len == shared // page * page and match.window is WindowSource.LIVE
     rb = eng.cache.admit(b, match)
     got = eng.prefill(rb, [41] * 5)
-    assert_exact(got, ref_logits(CFG, torch.float64, tuple(b))[match.prefix_len:], "mid-prompt")
+    assert_exact(got, ref_logits(CFG, torch.float64, tuple(b))[match.prefix_len :], "mid-prompt")
     eng.cache.finish(ra)
     eng.cache.finish(rb)
     eng.cache.check_invariants()
@@ -279,7 +289,7 @@ def test_batched_requests_in_one_step_match_reference(page: int) -> None:
         chunks = [reqs[i].prompt_remaining[: sizes[i]].tolist() for i in live]
         for i, lg in zip(live, eng.step([reqs[i] for i in live], chunks)):
             got[i].append(lg)
-    extra = [TOKENS[450 + 7 * i: 450 + 7 * i + 6] for i in range(len(prompts))]
+    extra = [TOKENS[450 + 7 * i : 450 + 7 * i + 6] for i in range(len(prompts))]
     for k in range(6):
         outs = eng.step(reqs, [[extra[i][k]] for i in range(len(reqs))])
         for i, lg in enumerate(outs):
@@ -318,8 +328,14 @@ def test_graph_decoder_matches_reference_exactly(page: int) -> None:
     requests joining and leaving the batch (buffer rows re-uploaded), equals the reference."""
     prompts = [TOKENS[:125], TOKENS[:254], TOKENS[300:303], TOKENS[100:160]]
     eng = Paged(CFG, page, max_chunk=100, full_tokens=1600)
-    dec = GraphDecoder(eng.weights, eng.pools, eng.cc, max_batch=4,
-                       max_context=eng.cc.full_capacity, min_context_bucket=64)
+    dec = GraphDecoder(
+        eng.weights,
+        eng.pools,
+        eng.cc,
+        max_batch=4,
+        max_context=eng.cc.full_capacity,
+        min_context_bucket=64,
+    )
     reqs = [eng.admit(p, reuse=False) for p in prompts]
     got: list[list[torch.Tensor]] = [[eng.prefill(r, [100] * 3)] for r in reqs]
     fed: list[list[int]] = [[] for _ in prompts]
@@ -330,7 +346,7 @@ def test_graph_decoder_matches_reference_exactly(page: int) -> None:
         eng.cache.extend_batch(batch, [[t] for t in toks])
         logits = dec.step(batch, toks)
         for j, i in enumerate(live):
-            got[i].append(logits[j: j + 1])
+            got[i].append(logits[j : j + 1])
             fed[i].append(toks[j])
     for i, p in enumerate(prompts):
         ref = ref_logits(CFG, torch.float64, tuple(p + fed[i]))
@@ -455,8 +471,9 @@ def test_rope_inverse_undoes_rope_and_is_a_relative_rotation() -> None:
     # q(m) . k(n) depends only on m - n
     q, k = x[:1, 0], x[1:2, 0]
     dots = [
-        float(ops.rope(q, torch.tensor([m + 5]), rd, 1e4) @ ops.rope(k, torch.tensor([m]), rd,
-                                                                    1e4).T)
+        float(
+            ops.rope(q, torch.tensor([m + 5]), rd, 1e4) @ ops.rope(k, torch.tensor([m]), rd, 1e4).T
+        )
         for m in (0, 17, 1000)
     ]
     assert max(dots) - min(dots) < 1e-9
@@ -492,10 +509,12 @@ def test_pool_groups_overlap_pads_group_minus_one() -> None:
     kv, score = rows[:, :width], rows[:, width:]
     pad = torch.zeros(r, 2 * width, dtype=torch.float64)
     pad[:, width:] = float("-inf")
-    grouped = torch.stack([
-        torch.cat((pad if i == 0 else rows[(i - 1) * r: i * r], rows[i * r: (i + 1) * r]))
-        for i in range(3)
-    ])  # (3, 2r, 2*width)
+    grouped = torch.stack(
+        [
+            torch.cat((pad if i == 0 else rows[(i - 1) * r : i * r], rows[i * r : (i + 1) * r]))
+            for i in range(3)
+        ]
+    )  # (3, 2r, 2*width)
     got = ops.pool_groups(grouped, overlap=True, ratio=r)
     assert got.shape == (3, dim)
     own = slice(0, r)
@@ -509,8 +528,8 @@ def test_pool_groups_overlap_pads_group_minus_one() -> None:
     for i in (1, 2):
         prev, cur = slice((i - 1) * r, i * r), slice(i * r, (i + 1) * r)
         want = _naive_pool(
-            torch.cat((kv[prev, :dim], kv[cur, dim:])), torch.cat((score[prev, :dim],
-                                                                   score[cur, dim:]))
+            torch.cat((kv[prev, :dim], kv[cur, dim:])),
+            torch.cat((score[prev, :dim], score[cur, dim:])),
         )
         torch.testing.assert_close(got[i], want, rtol=0, atol=1e-12)
         # and it genuinely differs from pooling the own group only
@@ -518,8 +537,10 @@ def test_pool_groups_overlap_pads_group_minus_one() -> None:
     # no overlap: plain per-channel softmax over the group
     plain = torch.randn(2, r, 2 * dim, generator=g, dtype=torch.float64)
     torch.testing.assert_close(
-        ops.pool_groups(plain, False, r)[1], _naive_pool(plain[1, :, :dim], plain[1, :, dim:]),
-        rtol=0, atol=1e-12,
+        ops.pool_groups(plain, False, r)[1],
+        _naive_pool(plain[1, :, :dim], plain[1, :, dim:]),
+        rtol=0,
+        atol=1e-12,
     )
 
 
@@ -531,5 +552,6 @@ def test_cache_config_rejects_window_shorter_than_span() -> None:
         preset("tiny", **SMALL, window=8, compress_ratios=(0, 4, 16, 4)).cache_config(
             page_size=4, full_capacity=64, swa_capacity=64
         )
-    assert isinstance(SHORT.cache_config(page_size=4, full_capacity=64, swa_capacity=64),
-                      CacheConfig)
+    assert isinstance(
+        SHORT.cache_config(page_size=4, full_capacity=64, swa_capacity=64), CacheConfig
+    )
