@@ -9,6 +9,7 @@ compress completed groups into their slots, then read window and entries.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ from .model import LayerInput, compress_rows, forward
 from .model_config import ModelConfig
 from .pools import KVPools
 from .weights import Compressor, ModelWeights
+
+if TYPE_CHECKING:
+    from .offload import C4Offload
 
 I64 = np.int64
 
@@ -35,6 +39,7 @@ class StreamStep:
     entry_src: torch.Tensor  # (E, R) rows of each completed group in cat(new, carry, pad)
     entry_groups: torch.Tensor  # (E,)
     entry_slots: torch.Tensor  # (E,)
+    entry_slots_np: np.ndarray  # the same on the host (HiSparse plans with it)
     read_slots: torch.Tensor  # (B, G) every complete entry of each request at its end
     visible: torch.Tensor  # (N, G) entry g is complete at the token's position
 
@@ -132,7 +137,10 @@ def build_step(
         parts = _stream_step(s, model, plans, alloc, req, pos)
         visible = parts.pop("visible")
         streams[s.ratio] = StreamStep(
-            s.ratio, **{k: t(v) for k, v in parts.items()}, visible=t(visible, torch.bool)
+            s.ratio,
+            **{k: t(v) for k, v in parts.items()},
+            entry_slots_np=parts["entry_slots"],
+            visible=t(visible, torch.bool),
         )
     return PagedStep(
         tokens=t(tokens),
@@ -146,10 +154,13 @@ def build_step(
 
 
 class PagedKeys:
-    """`KeySource` over the pools for one `PagedStep`."""
+    """`KeySource` over the pools for one `PagedStep`. With ``offload`` (HiSparse), the C4 KV
+    of C4 layers lives in its host mirror / device buffer instead of ``pools.compressed``."""
 
-    def __init__(self, model: ModelConfig, pools: KVPools, step: PagedStep) -> None:
-        self.model, self.pools, self.step = model, pools, step
+    def __init__(
+        self, model: ModelConfig, pools: KVPools, step: PagedStep, offload: C4Offload | None = None
+    ) -> None:
+        self.model, self.pools, self.step, self.offload = model, pools, step, offload
 
     def attend(self, layer: LayerInput) -> torch.Tensor:
         cfg, st, i = self.model, self.step, layer.index
@@ -161,8 +172,15 @@ class PagedKeys:
             ss = st.streams[ratio]
             comp = layer.weights.compressor
             assert comp is not None
-            self._compress(layer, comp, ss, self.pools.ring[i], self.pools.compressed[i])
             slots = ss.read_slots[st.token_request]  # (N, G): every complete entry
+            if self.offload is not None and i in self.offload.buffer:
+                entries = self._compress(layer, comp, ss, self.pools.ring[i], None)
+                slots, chosen_mask = self._select(layer, ss, slots)
+                chosen = self.offload.exchange(i, ss.entry_slots_np, entries, slots, chosen_mask)
+                keys = torch.cat((keys, chosen), dim=1)
+                mask = torch.cat((mask, chosen_mask), dim=1)
+                return ops.sink_attention(layer.q, keys, mask, layer.weights.sink, cfg.scale)
+            self._compress(layer, comp, ss, self.pools.ring[i], self.pools.compressed[i])
             if cfg.is_sparse(ratio):
                 slots, chosen_mask = self._select(layer, ss, slots)
                 keys = torch.cat((keys, self.pools.compressed[i][slots]), dim=1)
@@ -178,17 +196,18 @@ class PagedKeys:
         comp: Compressor,
         ss: StreamStep,
         ring: torch.Tensor,
-        pool: torch.Tensor,
-    ) -> None:
+        pool: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Stores the step's in-flight rows and compresses the completed groups; returns the
+        entries ``(E, dim)``, also stored at their slots of ``pool`` unless it is ``None``."""
         rows = ops.compressor_rows(layer.x, comp, layer.positions).to(ring.dtype)
         carried = ring[ss.carry_rows]  # before the store: carry and store may share rows
         ring[ss.ring_dst] = rows[ss.ring_src]
         if ss.entry_slots.numel() == 0:
-            return
+            return rows.new_zeros((0, comp.norm.shape[0]))
         pad = torch.zeros_like(rows[:1])
         pad[:, rows.shape[1] // 2 :] = float("-inf")
         source = torch.cat((rows, carried, pad), dim=0)
-        dim = pool.shape[1]
         ent = compress_rows(
             self.model,
             source[ss.entry_src],
@@ -197,8 +216,9 @@ class PagedKeys:
             comp.norm,
             self.model.rope_dim,
         )
-        assert ent.shape[1] == dim
-        pool[ss.entry_slots] = ent.to(pool.dtype)
+        if pool is not None:
+            pool[ss.entry_slots] = ent.to(pool.dtype)
+        return ent
 
     def _select(self, layer: LayerInput, ss: StreamStep, slots: torch.Tensor):
         """Slots of the indexer's top-k entries per token, and which of them are real."""
@@ -224,7 +244,8 @@ def run_step(
     pools: KVPools,
     step: PagedStep,
     logit_rows: torch.Tensor | None,
+    offload: C4Offload | None = None,
 ) -> torch.Tensor:
     """Runs the layers over the step's new tokens; returns logits of ``logit_rows``."""
-    keys = PagedKeys(weights.config, pools, step)
+    keys = PagedKeys(weights.config, pools, step, offload)
     return forward(weights, step.tokens, step.positions, keys, logit_rows)

@@ -40,7 +40,7 @@ def _row_width(model: ModelConfig, ratio: int, dim: int) -> int:
 
 class KVPools:
     """Every pool tensor of one model. ``state_dtype`` (the rings) is fp32 unless the model runs
-    in fp64 (exact tests)."""
+    in fp64 (exact tests). ``offload_c4``: no device C4 KV pool (`C4Offload` holds it)."""
 
     def __init__(
         self,
@@ -48,6 +48,7 @@ class KVPools:
         cache: CacheConfig,
         device: torch.device | str,
         dtype: torch.dtype,
+        offload_c4: bool = False,
     ) -> None:
         if cache.window != model.window or cache.compress_ratios != model.compress_ratios:
             raise ValueError("cache config does not match the model (window / compress_ratios)")
@@ -64,7 +65,8 @@ class KVPools:
             if not ratio:
                 continue
             slots, rows = cache.compressed_capacity(ratio), cache.ring_capacity(ratio)
-            self.compressed[layer] = self._zeros(slots, model.head_dim)
+            if not (offload_c4 and ratio == 4):  # HiSparse keeps C4 KV in its host mirror
+                self.compressed[layer] = self._zeros(slots, model.head_dim)
             self.ring[layer] = self._state(rows, _row_width(model, ratio, model.head_dim))
             if model.is_sparse(ratio):
                 self.index_keys[layer] = self._zeros(slots, model.index_dim)

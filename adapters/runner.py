@@ -93,7 +93,12 @@ class Runner:
     batch state, CUDA graphs on GPU); default on CUDA. Otherwise decode runs the general paged
     path like prefill. Raises `ValueError` for a cache config that does not match the model, a
     chunk the SWA pool cannot hold, or bounded replay (not supported by this runner), and
-    `DeviceError` for an unusable device."""
+    `DeviceError` for an unusable device.
+
+    ``hisparse_pages``: keep the C4 KV in a host mirror with a device buffer of this many pages
+    per C4 layer (`C4Offload`, planned by `hisparse.Coordinator`). Decode then runs the paged
+    path (the plan needs the indexer's top-k on the host mid-forward, which a CUDA graph
+    cannot do): ``graph_decode=True`` with HiSparse raises `ValueError`."""
 
     def __init__(
         self,
@@ -105,6 +110,7 @@ class Runner:
         chunk_tokens: int = 256,
         max_running: int = 32,
         graph_decode: bool | None = None,
+        hisparse_pages: int | None = None,
     ) -> None:
         self.device = resolve_device(device)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -121,7 +127,25 @@ class Runner:
             raise ValueError("the runner does not execute bounded replay (approximate reuse)")
         self.model = model
         self.cache = ShadowRadixCache(cache_config)
-        self.pools = KVPools(model, cache_config, self.device, dtype)
+        if hisparse_pages is not None and graph_decode:
+            raise ValueError("HiSparse plans on the host mid-forward: no graph decode with it")
+        self.pools = KVPools(
+            model, cache_config, self.device, dtype, offload_c4=hisparse_pages is not None
+        )
+        self.offload = None
+        if hisparse_pages is not None:
+            from .offload import C4Offload
+
+            self.offload = C4Offload(
+                model, cache_config, self.device, dtype, hisparse_pages, cache_config.debug
+            )
+            graph_decode = False
+            if hisparse_pages < model.index_topk + 1:
+                raise ValueError(
+                    f"hisparse_pages={hisparse_pages} cannot hold one query's top-"
+                    f"{model.index_topk} pages plus the page it writes"
+                )
+        self._device_pages = hisparse_pages or 0
         self.weights = weights or init_weights(model, self.device, dtype)
         self.chunk_tokens, self.max_running = chunk_tokens, max_running
         self.stats = RunnerStats()
@@ -264,11 +288,18 @@ class Runner:
         plans = [self.cache.read_plan(s.req, start=st) for s, st in zip(seqs, alloc.starts)]
         flat = np.fromiter((t for c in chunks for t in c), np.int64)
         step = build_step(self.model, alloc, plans, flat, self.device)
+        if self.offload is not None:
+            self.offload.drain()  # every page the forward plans for is unpinned
+            self.offload.begin_step(step.streams[4].entry_slots_np)
         ends = np.cumsum([len(c) for c in chunks]) - 1
         rows = [int(e) for e, want in zip(ends, logits_for) if want]
         t1 = time.perf_counter()
         logits = run_step(
-            self.weights, self.pools, step, torch.tensor(rows, device=self.device, dtype=torch.long)
+            self.weights,
+            self.pools,
+            step,
+            torch.tensor(rows, device=self.device, dtype=torch.long),
+            self.offload,
         )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -286,14 +317,29 @@ class Runner:
         self.stats.forward_s += time.perf_counter() - t0
         return logits
 
+    def _working_set(self, seq: _Seq, num_tokens: int) -> int:
+        """Upper bound of the C4 pages one request's ``num_tokens`` new queries read (HiSparse):
+        each reads top-k entries, and no request reads more pages than it has."""
+        pages = -(-(seq.req.length + num_tokens) // self.cache.config.page_size)
+        return min(num_tokens * self.model.index_topk, pages)
+
+    def _fit_tokens(self, seq: _Seq, wanted: int, pages_left: int) -> int:
+        """How many of ``wanted`` tokens fit in the HiSparse device buffer's remaining pages."""
+        if self.offload is None or self._working_set(seq, wanted) <= pages_left:
+            return wanted
+        return min(wanted, pages_left // self.model.index_topk)
+
     def _prefill(self) -> list[GenerationResult]:
         budget, seqs, chunks = self.chunk_tokens, [], []
+        pages_left = self._device_pages
         for seq in self._running:
             if seq.decoding or budget == 0:
                 continue
-            assert seq.request is not None
-            chunk = seq.request.prompt_remaining[:budget].tolist()
+            chunk = seq.req.prompt_remaining[: self._fit_tokens(seq, budget, pages_left)].tolist()
+            if not chunk:
+                break
             budget -= len(chunk)
+            pages_left -= self._working_set(seq, len(chunk)) if self.offload else 0
             seqs.append(seq)
             chunks.append(chunk)
         if not seqs:
@@ -315,6 +361,8 @@ class Runner:
     def _decode(self) -> list[GenerationResult]:
         seqs = [s for s in self._running if s.decoding and s.result.finish_reason is None]
         seqs = [s for s in seqs if s.req.length == len(s.tokens) - 1]  # one token pending
+        if self.offload is not None:
+            seqs = self._fit_decode_batch(seqs)
         if not seqs:
             return []
         chunks = [[s.result.output[-1]] for s in seqs]
@@ -327,6 +375,20 @@ class Runner:
             logits = self._graph_forward(seqs, [c[0] for c in chunks])
         self.stats.decode_tokens += len(seqs)
         return self._emit_all(seqs, logits)
+
+    def _fit_decode_batch(self, seqs: list[_Seq]) -> list[_Seq]:
+        """The decode requests whose working sets fit the HiSparse buffer this step, starting
+        at a rotating offset so that requests left out now go first later."""
+        if not seqs:
+            return seqs
+        start = self._clock % len(seqs)
+        chosen, pages_left = [], self._device_pages
+        for seq in seqs[start:] + seqs[:start]:
+            need = self._working_set(seq, 1)
+            if need <= pages_left:
+                chosen.append(seq)
+                pages_left -= need
+        return chosen
 
     def _emit_all(self, seqs: list[_Seq], logits: torch.Tensor) -> list[GenerationResult]:
         if not seqs:

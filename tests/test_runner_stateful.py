@@ -95,6 +95,7 @@ class RunnerMachine(RuleBasedStateMachine):
     stopped = 0
     preemptions = 0
     hits = 0
+    swap_ins = 0
 
     def __init__(self) -> None:
         super().__init__()
@@ -110,8 +111,11 @@ class RunnerMachine(RuleBasedStateMachine):
         extra_full=st.integers(0, 24),
         extra_swa=st.integers(0, 16),
         graph=st.booleans(),
+        hisparse=st.integers(0, 8) | st.none(),
     )
-    def setup(self, page, chunk, max_running, extra_full, extra_swa, graph) -> None:
+    def setup(self, page, chunk, max_running, extra_full, extra_swa, graph, hisparse) -> None:
+        if hisparse is not None:
+            page = max(page, 4)  # HiSparse offloads whole C4 pages: page >= ratio 4
         # full pool: the longest request plus a little; SWA: the runner's minimum plus a little
         full = -(-LONGEST // page) * page + extra_full // page * page
         swa = -(-(chunk + MODEL.window + 2 * page) // page) * page + extra_swa // page * page
@@ -124,7 +128,12 @@ class RunnerMachine(RuleBasedStateMachine):
             weights=weights(),
             chunk_tokens=chunk,
             max_running=max_running,
-            graph_decode=graph,
+            graph_decode=graph and hisparse is None,
+            # HiSparse (page >= 4): C4 KV in a host mirror with a device buffer barely above
+            # one query's top-k, so swap-ins and evictions happen on almost every step
+            hisparse_pages=None
+            if hisparse is None or page < 4
+            else SMALL["index_topk"] + 1 + hisparse,
         )
 
     def _collect(self, done: list[GenerationResult]) -> None:
@@ -185,6 +194,9 @@ class RunnerMachine(RuleBasedStateMachine):
             return
         r = self.runner
         r.cache.check_invariants()
+        if r.offload is not None:
+            r.offload.drain()
+            r.offload.coordinator.check_invariants()
         assert r.num_pending == len(self.submitted) - len(self.finished)
         assert len(r.cache.requests) == len(r._running) <= r.max_running
         assert r.cache.stats().num_requests == len(r._running)
@@ -221,6 +233,8 @@ class RunnerMachine(RuleBasedStateMachine):
         assert st_.num_requests == 0 and r.cache.requests == ()
         assert st_.full.held_pages == 0 and st_.swa.held_pages == 0
         r.cache.check_invariants()
+        if r.offload is not None:
+            RunnerMachine.swap_ins += r.offload.stats.swap_in_pages
 
 
 _profile = settings.default  # the profile tests/conftest.py or --hypothesis-profile loaded
@@ -238,7 +252,7 @@ TestRunnerMachine.settings = settings(
 def test_machine_really_exercises_the_runner() -> None:
     """Guards the guard: the machine finishes requests, checks them against the reference, and
     hits the interesting paths (preemption, prefix reuse) within a few derandomized runs."""
-    counters = ("checked", "preemptions", "hits", "stopped")
+    counters = ("checked", "preemptions", "hits", "stopped", "swap_ins")
     before = [getattr(RunnerMachine, c) for c in counters]
     run_state_machine_as_test(
         RunnerMachine,
@@ -250,10 +264,11 @@ def test_machine_really_exercises_the_runner() -> None:
             suppress_health_check=list(HealthCheck),
         ),
     )
-    checked, preempted, hits, stopped = (
+    checked, preempted, hits, stopped, swap_ins = (
         getattr(RunnerMachine, c) - b for c, b in zip(counters, before)
     )
     assert checked >= 10
     assert preempted > 0
     assert hits > 0
     assert stopped > 0
+    assert swap_ins > 0  # HiSparse runners swapped C4 pages in, and still matched the reference

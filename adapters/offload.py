@@ -1,0 +1,242 @@
+"""HiSparse adapter: the C4 KV of every C4 layer in a host mirror with a small device buffer.
+
+The pure `hisparse.Coordinator` plans; this module executes. Per C4 layer:
+
+* ``host[layer]``: ``(host pages, entries_per_page, d)`` — the whole C4 pool, indexed by virtual
+  page (pinned CPU memory on CUDA). Requests sharing a cached prefix share virtual pages, hence
+  host pages: one copy.
+* ``buffer[layer]``: ``(device_slots + 1, entries_per_page, d)`` on the device, the working set
+  (the last row is a sentinel for masked reads).
+
+One `exchange` per C4 layer and step, in this order (the coordinator's contract):
+
+1. complete the copy tickets whose events have fired (unpins their pages);
+2. plan: the pages the step reads (top-k entries of every query) and writes (entries completed
+   this step) -> swap-ins, evictions, translated slots;
+3. swap-in host -> device on a side stream (pinned staging), the compute stream waits for it;
+4. write the new entries into the device buffer;
+5. back the written pages up device -> host on the side stream (completed later, so the host
+   mirror is updated only once the copy landed);
+6. gather the read entries through the translated slots.
+
+On the CPU every copy is synchronous and completes at once (the same code path CI tests).
+The indexer keys stay resident in the ordinary pools: the indexer scores every entry each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hisparse import Coordinator, CopyBatch, HiSparseConfig, PinnedPageError
+from shadowradix import CacheConfig
+
+from .model_config import ModelConfig
+
+
+@dataclass
+class OffloadStats:
+    swap_in_pages: int = 0
+    backup_pages: int = 0
+    swap_in_bytes: int = 0
+    exchanges: int = 0
+    read_pages: int = 0
+
+
+@dataclass
+class _Inflight:
+    ticket: int
+    event: torch.cuda.Event | None
+    layer: int = -1
+    pages: np.ndarray | None = None  # backup: host pages to fill from ``staging``
+    staging: torch.Tensor | None = None
+
+
+class C4Offload:
+    """Host mirror + device working set of the C4 KV, planned by `hisparse.Coordinator`."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        cache: CacheConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        device_pages: int,
+        debug: bool = False,
+    ) -> None:
+        if 4 not in model.ratios or cache.page_size < 4:
+            raise ValueError("HiSparse needs C4 layers and a page size >= 4")
+        self.layers = [i for i, r in enumerate(model.compress_ratios) if r == 4]
+        self.spp = cache.stream(4).slots_per_page
+        self.device, self.dtype = device, dtype
+        host_pages = cache.max_full_pages
+        d, pin = model.head_dim, device.type == "cuda"
+        self.host = {
+            i: torch.zeros(host_pages, self.spp, d, dtype=dtype, pin_memory=pin)
+            for i in self.layers
+        }
+        self.buffer = {
+            i: torch.zeros(device_pages + 1, self.spp, d, dtype=dtype, device=device)
+            for i in self.layers
+        }
+        self.coordinator = Coordinator(
+            HiSparseConfig(len(self.layers), device_pages, host_pages, self.spp, debug)
+        )
+        self.device_pages = device_pages
+        self._index = {layer: j for j, layer in enumerate(self.layers)}
+        self._stream = torch.cuda.Stream(device) if pin else None
+        self._inflight: list[_Inflight] = []
+        self.stats = OffloadStats()
+
+    # -- copy bookkeeping ------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Completes every in-flight copy whose event has fired (in any order)."""
+        still = []
+        for job in self._inflight:
+            if job.event is None or job.event.query():
+                self._finish(job)
+            else:
+                still.append(job)
+        self._inflight = still
+
+    def drain(self) -> None:
+        """Waits for and completes every in-flight copy."""
+        for job in self._inflight:
+            if job.event is not None:
+                job.event.synchronize()
+            self._finish(job)
+        self._inflight = []
+
+    def _finish(self, job: _Inflight) -> None:
+        if job.pages is not None and job.staging is not None:  # a backup: fill the mirror
+            pages = torch.from_numpy(job.pages)
+            self.host[job.layer].index_copy_(0, pages, job.staging)
+        self.coordinator.complete(job.ticket)
+
+    def begin_step(self, c4_entry_slots: np.ndarray) -> None:
+        """Before a step's forward: pages whose entry 0 is written now start a new life (the
+        cache freed and reused the virtual page), so whatever the coordinator remembers of their
+        previous life is released first."""
+        reused = np.unique(c4_entry_slots[c4_entry_slots % self.spp == 0] // self.spp)
+        if not len(reused):
+            return
+        try:
+            self.coordinator.release(reused)
+        except PinnedPageError:  # a copy of the old life is still in flight
+            self.drain()
+            self.coordinator.release(reused)
+
+    # -- one layer-step --------------------------------------------------------------------
+
+    def exchange(
+        self,
+        layer: int,
+        write_slots: np.ndarray,
+        values: torch.Tensor,
+        read_slots: torch.Tensor,
+        read_valid: torch.Tensor,
+    ) -> torch.Tensor:
+        """Stores ``values`` at compressed ``write_slots`` and returns the entries at
+        ``read_slots`` (``(N, k)`` compressed slots; ``read_valid`` masks padding), shape
+        ``(N, k, d)``. Masked reads return the sentinel row."""
+        self.poll()
+        spp, j = self.spp, self._index[layer]
+        valid_np = read_valid.cpu().numpy()
+        read_np = read_slots.cpu().numpy()[valid_np]  # the one device -> host sync of the layer
+        write_pages, fresh = _written_pages(write_slots, spp)
+        plan = self.coordinator.plan_step(j, read_np // spp, write_pages, fresh)
+        self._swap_in(layer, plan.swap_in)
+        buf = self.buffer[layer].view(-1, self._width(layer))
+        if len(write_slots):
+            slot_of = dict(zip(write_pages.tolist(), plan.write_slots.tolist()))
+            rows = np.array([slot_of[p] for p in (write_slots // spp).tolist()], dtype=np.int64)
+            rows = rows * spp + write_slots % spp
+            buf[torch.from_numpy(rows).to(self.device)] = values.to(buf.dtype)
+        self._backup(layer, plan.backup)
+        sentinel = self.device_pages * spp
+        dev_rows = np.full(read_valid.shape, sentinel, dtype=np.int64)
+        dev_rows[valid_np] = np.asarray(plan.read_slots, dtype=np.int64) * spp + read_np % spp
+        self.stats.exchanges += 1
+        self.stats.read_pages += len(np.unique(read_np // spp))
+        return buf[torch.from_numpy(dev_rows).to(self.device)]
+
+    def _width(self, layer: int) -> int:
+        return self.buffer[layer].shape[-1]
+
+    def _swap_in(self, layer: int, batch: CopyBatch) -> None:
+        pages = np.array(batch.host_pages, dtype=np.int64)  # a writable copy
+        if not len(pages):
+            self.coordinator.complete(batch.ticket)
+            return
+        slots = _index(batch.device_slots)
+        host = self.host[layer]
+        staging = torch.empty(
+            (len(pages),) + tuple(host.shape[1:]), dtype=host.dtype, pin_memory=host.is_pinned()
+        )
+        torch.index_select(host, 0, torch.from_numpy(pages), out=staging)
+        self.stats.swap_in_pages += len(pages)
+        self.stats.swap_in_bytes += staging.numel() * staging.element_size()
+        if self._stream is None:
+            self.buffer[layer].index_copy_(0, slots, staging)
+            self.coordinator.complete(batch.ticket)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)  # evicted slots may still be read by queued kernels
+        with torch.cuda.stream(self._stream):
+            data = staging.to(self.device, non_blocking=True)
+            self.buffer[layer].index_copy_(0, slots.to(self.device, non_blocking=True), data)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        compute.wait_event(event)  # the step's reads and writes wait for the swap-in
+        self._inflight.append(_Inflight(batch.ticket, event, staging=staging))
+
+    def _backup(self, layer: int, batch: CopyBatch) -> None:
+        pages = np.array(batch.host_pages, dtype=np.int64)  # a writable copy
+        if not len(pages):
+            self.coordinator.complete(batch.ticket)
+            return
+        slots = _index(batch.device_slots).to(self.device)
+        self.stats.backup_pages += len(pages)
+        if self._stream is None:
+            self.host[layer].index_copy_(0, torch.from_numpy(pages), self.buffer[layer][slots])
+            self.coordinator.complete(batch.ticket)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)  # the writes must have landed
+        with torch.cuda.stream(self._stream):
+            staging = torch.empty(
+                (len(pages),) + tuple(self.buffer[layer].shape[1:]),
+                dtype=self.dtype,
+                pin_memory=True,
+            )
+            staging.copy_(self.buffer[layer][slots], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._inflight.append(_Inflight(batch.ticket, event, layer, pages, staging))
+
+    def nbytes(self) -> tuple[int, int]:
+        """(device buffer bytes, host mirror bytes) over all C4 layers."""
+        dev = sum(t.numel() * t.element_size() for t in self.buffer.values())
+        host = sum(t.numel() * t.element_size() for t in self.host.values())
+        return dev, host
+
+
+def _index(ids: np.ndarray) -> torch.Tensor:
+    """An int64 CPU index tensor (a copy: the coordinator's arrays are read-only)."""
+    return torch.from_numpy(np.array(ids, dtype=np.int64))
+
+
+def _written_pages(write_slots: np.ndarray, spp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct pages receiving entries, and whether each is fresh (its entry 0 is written now:
+    entries of a page are written in order, so the page held nothing before)."""
+    if not len(write_slots):
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, np.zeros(0, dtype=bool)
+    pages = write_slots // spp
+    uniq, inverse = np.unique(pages, return_inverse=True)
+    fresh = np.zeros(len(uniq), dtype=bool)
+    fresh[inverse[write_slots % spp == 0]] = True
+    return uniq, fresh

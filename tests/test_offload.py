@@ -1,0 +1,148 @@
+"""HiSparse in the runner (adapters/offload.py): offloaded output equals all-resident output."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from adapters.model_config import preset
+from adapters.offload import C4Offload
+from adapters.reference import reference_generate
+from adapters.runner import Runner
+from adapters.sampling import SamplingParams
+from adapters.weights import init_weights
+
+SMALL = dict(
+    hidden=64,
+    num_heads=2,
+    head_dim=32,
+    rope_dim=8,
+    index_dim=16,
+    index_heads=2,
+    index_topk=4,
+    mlp_hidden=96,
+)
+MODEL = preset("tiny", **SMALL, window=16, compress_ratios=(0, 4, 16, 4))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def weights():
+    return init_weights(MODEL, "cpu", torch.float64)
+
+
+def make_runner(page=16, hisparse=None, max_running=4, chunk=24):
+    cc = MODEL.cache_config(page_size=page, full_capacity=640, swa_capacity=192, debug=True)
+    return Runner(
+        MODEL,
+        cc,
+        device="cpu",
+        dtype=torch.float64,
+        weights=weights(),
+        chunk_tokens=chunk,
+        max_running=max_running,
+        hisparse_pages=hisparse,
+    )
+
+
+def prompts(seed=0, n=6):
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, 256, 90).tolist()
+    return [shared + rng.integers(0, 256, int(k)).tolist() for k in rng.integers(1, 70, n)]
+
+
+@pytest.mark.parametrize("page,pages", [(4, 5), (8, 6), (16, 5), (16, 9)])
+def test_offloaded_output_equals_all_resident_and_reference(page: int, pages: int) -> None:
+    ps = prompts(page)
+    params = SamplingParams(max_new_tokens=24)
+    resident = make_runner(page).generate(ps[:1], params) + make_runner(page).generate(
+        ps[1:], params
+    )
+    off = make_runner(page, hisparse=pages)
+    offloaded = off.generate(ps[:1], params) + off.generate(ps[1:], params)
+    assert [r.output for r in offloaded] == [r.output for r in resident]
+    for p, r in zip(ps, offloaded):
+        assert r.output == reference_generate(weights(), p, len(r.output))
+    st = off.offload.coordinator.stats()
+    assert st.swap_ins > 0 and st.evictions > 0  # the buffer really was too small
+    assert off.cache.stats().hit_tokens > 0  # and prefixes were reused through the mirror
+    off.offload.drain()
+    off.offload.coordinator.check_invariants()
+
+
+def test_shared_prefix_shares_host_pages() -> None:
+    """A request that reuses a cached prefix reads the pages its first owner wrote: only its
+    own new pages are written (and backed up) again."""
+    runner = make_runner(16, hisparse=8)
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, 256, 128).tolist()
+    runner.generate([shared + [1, 2, 3]], SamplingParams(max_new_tokens=2))
+    runner.offload.drain()
+    backed = runner.offload.stats.backup_pages
+    res = runner.generate([shared + [9, 9, 9, 9]], SamplingParams(max_new_tokens=2))
+    runner.offload.drain()
+    assert res[0].cached_tokens == 128
+    # tokens 128..133: one new page per C4 layer (entries of groups 32..33 sit in page 8)
+    new_backups = runner.offload.stats.backup_pages - backed
+    assert 0 < new_backups <= 2 * 2  # 2 C4 layers x at most 2 pages
+    host = runner.offload.host[1]
+    assert torch.count_nonzero(host[: 128 // 16]) > 0  # the shared prefix's pages hold data
+
+
+def test_exchange_round_trip_through_the_host_mirror() -> None:
+    cc = MODEL.cache_config(page_size=16, full_capacity=16 * 8, swa_capacity=16 * 8)
+    off = C4Offload(MODEL, cc, torch.device("cpu"), torch.float64, device_pages=3)
+    spp, d = off.spp, MODEL.head_dim
+    values = torch.arange(4 * spp * d, dtype=torch.float64).view(4 * spp, d)
+    slots = np.arange(4 * spp, dtype=np.int64)  # four whole pages, fresh
+    off.begin_step(slots)
+    for k in range(4):  # one page per step: the buffer holds 3
+        part = slots[k * spp : (k + 1) * spp]
+        none = torch.zeros((1, 0), dtype=torch.long)
+        off.exchange(1, part, values[part], none, torch.zeros((1, 0), dtype=torch.bool))
+    off.drain()
+    assert torch.equal(off.host[1][:4].reshape(-1, d), values)  # every page backed up
+    read = torch.tensor([[0, spp + 1, 2 * spp + 2]])
+    got = off.exchange(
+        1, np.zeros(0, np.int64), values[:0], read, torch.ones_like(read, dtype=torch.bool)
+    )
+    assert torch.equal(got[0], values[[0, spp + 1, 2 * spp + 2]])  # page 0 swapped back in
+    assert off.stats.swap_in_pages >= 1
+
+
+def test_bad_hisparse_configurations() -> None:
+    with pytest.raises(ValueError, match="top-"):
+        make_runner(16, hisparse=MODEL.index_topk)  # cannot hold one query's reads + a write
+    cc = MODEL.cache_config(page_size=16, full_capacity=16 * 40, swa_capacity=16 * 12)
+    with pytest.raises(ValueError, match="graph"):
+        Runner(
+            MODEL,
+            cc,
+            device="cpu",
+            weights=weights(),
+            dtype=torch.float64,
+            chunk_tokens=24,
+            hisparse_pages=8,
+            graph_decode=True,
+        )
+    cc2 = MODEL.cache_config(page_size=2, full_capacity=2 * 200, swa_capacity=2 * 60)
+    with pytest.raises(ValueError, match="page size"):
+        Runner(
+            MODEL,
+            cc2,
+            device="cpu",
+            weights=weights(),
+            dtype=torch.float64,
+            chunk_tokens=8,
+            hisparse_pages=8,
+        )
