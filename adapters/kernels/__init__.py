@@ -1,0 +1,126 @@
+"""Fused GPU kernels of the model's hot spots, with PyTorch fallbacks.
+
+* `compress` / `compress_gathered`: the Flash Compressor (group softmax pooling of the
+  compressor's per-token rows, optional RMSNorm + RoPE epilogue), prefill and decode layouts.
+* `topk`: Lightning TopK (exact radix-select top-k, ties to the lowest index).
+
+CUDA tensors go to the Triton kernels (`.compressor`, `.topk`) when Triton is installed; anything
+else goes to the PyTorch references (`.reference`), which define the results. Triton is imported
+only on the first CUDA call, so importing this package never needs it (and a test may still set
+``TRITON_INTERPRET=1`` before Triton's first import).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+
+import torch
+
+from .reference import (
+    compress_gathered_reference,
+    compress_reference,
+    naive_torch_chain,
+    topk_reference,
+)
+
+__all__ = [
+    "TRITON_AVAILABLE",
+    "compress",
+    "compress_gathered",
+    "compress_gathered_reference",
+    "compress_reference",
+    "naive_torch_chain",
+    "topk",
+    "topk_reference",
+    "use_triton",
+]
+
+TRITON_AVAILABLE: bool = importlib.util.find_spec("triton") is not None
+
+
+class _Package(types.ModuleType):
+    """Keeps ``adapters.kernels.topk`` the dispatch function below. Importing the submodule of
+    the same name (``adapters/kernels/topk.py``) makes Python set the package attribute to that
+    module, which would turn ``kernels.topk(...)`` into "module is not callable". Reach the
+    submodule with ``from adapters.kernels.topk import ...`` or ``importlib.import_module``."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "topk" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether `t`'s work goes to the Triton kernels: a CUDA tensor with Triton installed."""
+    return TRITON_AVAILABLE and t.is_cuda
+
+
+def compress(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ape: torch.Tensor | None,
+    ratio: int,
+    overlap: bool,
+    *,
+    norm: torch.Tensor | None = None,
+    rope_dim: int = 0,
+    theta: float = 10000.0,
+    eps: float = 1e-6,
+    group_offset: int = 0,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Compressed entries ``(T // ratio, d)`` of contiguous token rows ``kv``/``score``
+    ``(T, c*d)`` with the bias ``ape`` ``(ratio, c*d)`` (None: already in ``score``); with
+    ``norm``, RMSNorm + RoPE (last ``rope_dim`` channels, position ``(group_offset+g)*ratio``).
+    See `reference.compress_reference`."""
+    fn = compress_reference
+    if use_triton(kv):  # pragma: no cover - needs a GPU
+        from .compressor import flash_compress as fn
+    return fn(
+        kv, score, ape, ratio, overlap, norm=norm, rope_dim=rope_dim, theta=theta, eps=eps,
+        group_offset=group_offset, out_dtype=out_dtype,
+    )  # fmt: skip
+
+
+def compress_gathered(
+    ring: torch.Tensor,
+    rows: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    *,
+    pad: torch.Tensor | None = None,
+    ape: torch.Tensor | None = None,
+    groups: torch.Tensor | None = None,
+    norm: torch.Tensor | None = None,
+    rope_dim: int = 0,
+    theta: float = 10000.0,
+    eps: float = 1e-6,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """One entry per request from ring rows (the decode layout); see
+    `reference.compress_gathered_reference`."""
+    fn = compress_gathered_reference
+    if use_triton(ring):  # pragma: no cover - needs a GPU
+        from .compressor import flash_compress_gathered as fn
+    return fn(
+        ring, rows, ratio, overlap, pad=pad, ape=ape, groups=groups, norm=norm,
+        rope_dim=rope_dim, theta=theta, eps=eps, out_dtype=out_dtype,
+    )  # fmt: skip
+
+
+def topk(
+    scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None, *, sorted: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(values, indices, counts)``: exact top-``k`` of each row's valid prefix, ties to the
+    lowest index, padding index 0 / value -inf past ``counts``; index order, or value order with
+    ``sorted``. See `reference.topk_reference`."""
+    if use_triton(scores):  # pragma: no cover - needs a GPU
+        from .topk import lightning_topk
+
+        return lightning_topk(scores, k, lengths, sorted=sorted)
+    return topk_reference(scores, k, lengths, sorted=sorted)

@@ -1,0 +1,752 @@
+"""Correctness and speed of the Triton kernels in `adapters.kernels` on one GPU (made for an H200).
+
+    python bench/kernels.py [--json PATH] [--budget SECONDS] [--only compress|topk] [--no-sweep]
+    python bench/kernels.py --smoke     # CPU, Triton interpreter, tiny shapes: checks the script
+
+Every variant is first checked against the PyTorch reference (compressor: relative L2 and max
+abs error against an fp32 reference computed from the same inputs; top-k: exact equality of
+indices, values and counts with the stable-sort reference), then timed; a variant that raises
+is reported as such and the rest still runs. Timing: the median of CUDA-event measurements; runs
+shorter than ~0.3 ms are timed as CUDA-graph replays of several calls (no launch gaps, inputs
+stay in L2, for the kernel and its baseline alike); longer ones with `triton.testing.do_bench`
+(L2 flushed). Baselines run in the same process on the same inputs: the naive PyTorch
+compression chain, and `torch.topk`. TB/s counts the minimum traffic: inputs read once
+(kv + score, or the gathered ring rows) plus entries written once.
+
+The tables go to stdout (markdown) at the end, with a target summary; `--json` writes every row.
+The whole run stays within ``--budget`` seconds (default 100): when it is spent, the remaining
+optional parts (extra checks, then the launch-knob sweeps, which run last) are skipped and listed
+as skipped; past twice the budget everything left is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+if "--smoke" in sys.argv:  # before Triton is imported and the kernels are decorated
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+SEED = 1234
+
+
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.start = time.monotonic()
+        self.seconds = seconds
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+
+class Timer:
+    """Median time of ``fn()`` in microseconds (see the module doc)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, fn) -> tuple[float, str]:
+        if self.device.type != "cuda":
+            fn()
+            runs = []
+            for _ in range(2):
+                t = time.perf_counter()
+                fn()
+                runs.append(time.perf_counter() - t)
+            return statistics.median(runs) * 1e6, "wall"
+        fn()  # compile / warm up
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        once_ms = start.elapsed_time(end)
+        if once_ms < 0.3:
+            try:
+                return self._graph(fn, once_ms), "graph"
+            except Exception:  # noqa: BLE001 - fall back to eager timing
+                torch.cuda.synchronize()
+        import triton.testing
+
+        warm = max(10.0, 3 * once_ms)
+        rep = min(400.0, max(50.0, 25 * once_ms))
+        ms = triton.testing.do_bench(fn, warmup=warm, rep=rep, return_mode="median")
+        return ms * 1e3, "do_bench"
+
+    @staticmethod
+    def _graph(fn, once_ms: float) -> float:
+        calls = int(min(100, max(5, 1.0 / max(once_ms, 1e-3))))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(20):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            graph.replay()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e) * 1e3 / calls)
+        del graph
+        return statistics.median(times)
+
+
+def _ops():
+    from adapters import ops
+
+    return ops
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text[:160]
+
+
+def _fmt(x, nd=1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, float):
+        return f"{x:,.{nd}f}"
+    return str(x)
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.smoke = args.smoke
+        self.device = torch.device("cpu" if self.smoke else "cuda")
+        self.timer = Timer(self.device)
+        self.budget = Budget(args.budget)
+        self.rows: list[dict] = []
+        self.checks: list[dict] = []
+        self.errors_seen: set[str] = set()
+
+    # -- bookkeeping
+    def log(self, msg: str) -> None:
+        print(f"[{self.budget.elapsed():6.1f}s] {msg}", flush=True)
+
+    def add(self, row: dict) -> dict:
+        self.rows.append(row)
+        self.log(
+            f"{row['kernel']:9} {row['variant']:34} {row['shape']:30} "
+            f"{_fmt(row.get('us'))} us  {row.get('check', '')}"
+            + (f"  ERROR {row['error']}" if row.get("error") else "")
+        )
+        return row
+
+    def variant(
+        self, kernel, variant, shape, run, check=None, traffic=None, base=None, optional=False
+    ):
+        """Checks then times ``run``; returns the row (``us`` None on failure)."""
+        row = dict(
+            kernel=kernel,
+            variant=variant,
+            shape=shape,
+            us=None,
+            tbps=None,
+            speedup=None,
+            check="",
+            error=None,
+            timing="",
+        )
+        if (optional and self.budget.left() < 0) or self.budget.left() < -self.budget.seconds:
+            row["check"] = "skipped (time budget)"
+            return self.add(row)
+        try:
+            if check is not None:
+                row["check"] = check()
+            row["us"], row["timing"] = self.timer(run)
+            if traffic:
+                row["tbps"] = traffic / (row["us"] * 1e-6) / 1e12
+            if base is not None and base.get("us"):
+                row["speedup"] = base["us"] / row["us"]
+        except Exception as exc:  # noqa: BLE001 - report and carry on
+            self._failed(row, exc)
+        return self.add(row)
+
+    def _failed(self, row: dict, exc: BaseException) -> None:
+        row["error"] = _short(exc)
+        row["traceback"] = traceback.format_exc()[-4000:]
+        if row["error"] not in self.errors_seen:  # each distinct error's traceback once
+            self.errors_seen.add(row["error"])
+            print(row["traceback"], flush=True)
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            except Exception as again:  # noqa: BLE001 - a sticky CUDA error: keep reporting
+                print(f"CUDA is unusable after this error: {_short(again)}", flush=True)
+
+    def check(self, case: str, fn) -> None:
+        if self.budget.left() < 0:
+            self.checks.append(dict(case=case, result="skipped (time budget)"))
+            return
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001
+            result = "ERROR " + _short(exc)
+        self.checks.append(dict(case=case, result=result))
+        self.log(f"check {case}: {result}")
+
+    # -- compressor
+    def compress(self, sweep: bool = False) -> None:
+        """Main phase: baselines, default kernels, epilogue; sweep phase: launch-knob variants."""
+        if self.smoke:
+            shapes = [("C4 overlap", 64, 32, 4, True), ("C128", 512, 32, 128, False)]
+        else:
+            shapes = [
+                ("C4 overlap", 1 << 20, 512, 4, True),
+                ("C4 no overlap", 1 << 20, 512, 4, False),
+                ("C128", 1 << 20, 512, 128, False),
+            ]
+        for shape in shapes:
+            if not sweep or (shape[3], shape[4]) in self.SWEEPS:
+                self._compress_shape(*shape, sweep=sweep)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    SWEEPS = {
+        (4, True): [
+            dict(block_g=8, num_warps=8),
+            dict(block_g=2, block_d=256),
+            dict(block_g=4, block_d=256, num_warps=8),
+            dict(block_g=8, block_d=64),
+        ],
+        (4, False): [
+            dict(block_g=16, num_warps=8),
+            dict(block_g=4, block_d=256),
+            dict(block_g=8, block_d=256, num_warps=8),
+        ],
+        (128, False): [
+            dict(rows_chunk=32, num_warps=8),
+            dict(rows_chunk=8, block_d=256),
+            dict(rows_chunk=16, block_d=256, num_warps=8),
+            dict(rows_chunk=16, block_d=64),
+        ],
+    }
+
+    def _compress_shape(
+        self, name: str, t: int, d: int, ratio: int, overlap: bool, sweep: bool
+    ) -> None:
+        from adapters.kernels import compressor as C
+        from adapters.kernels import reference as R
+
+        dev = self.device
+        w = (2 if overlap else 1) * d
+        shape = f"{t:,}x{w} bf16 r{ratio}"
+        rope = 64 if d >= 128 else 8
+        try:
+            g = torch.Generator(device=dev).manual_seed(SEED)
+            kv = torch.randn(t, w, generator=g, device=dev).to(torch.bfloat16)
+            score = (torch.randn(t, w, generator=g, device=dev) * 2).to(torch.bfloat16)
+            ape = torch.randn(ratio, w, generator=g, device=dev).to(torch.bfloat16)
+            norm = torch.rand(d, generator=g, device=dev) + 0.5
+            f32 = torch.float32
+            want = R.compress_reference(kv, score, ape, ratio, overlap, out_dtype=f32)
+            want_e = None
+            if not sweep:
+                want_e = R.compress_reference(
+                    kv, score, ape, ratio, overlap, norm=norm, rope_dim=rope, out_dtype=f32
+                )
+        except Exception as exc:  # noqa: BLE001
+            err = "setup: " + _short(exc)
+            self.add(dict(kernel="compress", variant=name, shape=shape, us=None, error=err))
+            return
+        groups = t // ratio
+        traffic = 2 * groups * ratio * w * 2 + groups * d * 2
+
+        def checker(fn, ref, tol, timed=None):
+            """``fn`` (fp32 output) within ``tol``; ``timed`` (the bf16 output that is timed)
+            within bf16 rounding too."""
+
+            def one(out, tol):
+                diff = (out.float() - ref).abs()
+                rel = float(diff.norm() / ref.norm().clamp_min(1e-30))
+                bad = not math.isfinite(rel) or rel > tol or bool(out.isnan().any())
+                return bad, f"rel {rel:.1e} max {float(diff.max()):.1e}"
+
+            def go():
+                bad, text = one(fn(), tol)
+                if timed is not None:
+                    bad16, text16 = one(timed(), 5e-3)
+                    bad, text = bad or bad16, f"{text}; bf16 out {text16}"
+                return f"{'FAIL' if bad else 'ok'} {text}"
+
+            return go
+
+        def naive():
+            return R.naive_torch_chain(kv, score, ape, ratio, overlap)
+
+        def flash(**kw):
+            return C.flash_compress(kv, score, ape, ratio, overlap, **kw)
+
+        def strict(**kw):
+            # fp32 output into a NaN-poisoned buffer: every element written, fp32-exact
+            out = torch.full((groups, d), float("nan"), device=dev)
+            C.flash_compress(kv, score, ape, ratio, overlap, out=out, **kw)
+            return out
+
+        if sweep:
+            base = self._find(f"{name}: naive torch chain", shape)
+            for knobs in self.SWEEPS[(ratio, overlap)]:
+                label = ",".join(f"{k}={v}" for k, v in knobs.items())
+                self.variant(
+                    "compress",
+                    f"{name}: flash {label}",
+                    shape,
+                    lambda knobs=knobs: flash(**knobs),
+                    checker(
+                        lambda knobs=knobs: strict(**knobs),
+                        want,
+                        1e-5,
+                        lambda knobs=knobs: flash(**knobs),
+                    ),
+                    traffic,
+                    base,
+                    optional=True,
+                )
+            return
+        base = self.variant(
+            "compress",
+            f"{name}: naive torch chain",
+            shape,
+            naive,
+            checker(naive, want, 2e-2),
+            traffic,
+        )
+        self.variant(
+            "compress",
+            f"{name}: flash",
+            shape,
+            flash,
+            checker(strict, want, 1e-5, flash),
+            traffic,
+            base,
+        )
+        kw_e = dict(norm=norm, rope_dim=rope)
+        self.variant(
+            "compress",
+            f"{name}: flash +norm+rope",
+            shape,
+            lambda: flash(**kw_e),
+            checker(lambda: strict(**kw_e), want_e, 1e-5, lambda: flash(**kw_e)),
+            traffic,
+            base,
+        )
+
+    def compress_decode(self) -> None:
+        from adapters.kernels import compressor as C
+        from adapters.kernels import reference as R
+
+        dev = self.device
+        d = 32 if self.smoke else 512
+        b_list = [4] if self.smoke else [32, 128]
+        for ratio, overlap in [(4, True), (128, False)]:
+            if self.smoke and ratio == 128:
+                ratio = 16
+            c = 2 if overlap else 1
+            w = c * d
+            rlen = 2 * ratio if overlap else ratio
+            for b in b_list:
+                shape = f"B{b} ring fp32 {rlen}x{2 * w} r{ratio}"
+                try:
+                    g = torch.Generator(device=dev).manual_seed(SEED + b)
+                    n_ring = b * rlen * 2
+                    ring = torch.randn(n_ring, 2 * w, generator=g, device=dev)
+                    ring[:, w:] *= 2
+                    rows = torch.randperm(n_ring, generator=g, device=dev)[: b * rlen].view(b, rlen)
+                    group = torch.randint(0, 5000, (b,), generator=g, device=dev)
+                    group[0] = 0
+                    pad = torch.zeros(b, rlen, dtype=torch.bool, device=dev)
+                    if overlap:
+                        pad[0, :ratio] = True  # the first group: previous group is padding
+                    norm = torch.rand(d, generator=g, device=dev) + 0.5
+                    kw = dict(pad=pad, groups=group, norm=norm, rope_dim=64 if d >= 128 else 8)
+                    want = R.compress_gathered_reference(ring, rows, ratio, overlap, **kw)
+                except Exception as exc:  # noqa: BLE001
+                    self.add(
+                        dict(
+                            kernel="compress",
+                            variant="decode",
+                            shape=shape,
+                            us=None,
+                            error="setup: " + _short(exc),
+                        )
+                    )
+                    continue
+                traffic = b * rlen * 2 * d * 4 + b * d * 4 + b * rlen * 9
+
+                def chk(fn, want=want):
+                    def go():
+                        out = fn()
+                        rel = float((out - want).norm() / want.norm())
+                        return f"{'FAIL' if not rel <= 1e-5 else 'ok'} rel {rel:.1e}"
+
+                    return go
+
+                base = self.variant(
+                    "compress",
+                    "decode: torch chain (gather,pool,norm,rope)",
+                    shape,
+                    lambda kw=kw, ring=ring, rows=rows, ratio=ratio, overlap=overlap: (
+                        R.compress_gathered_reference(ring, rows, ratio, overlap, **kw)
+                    ),
+                    None,
+                    traffic,
+                )
+
+                def fl(kw=kw, ring=ring, rows=rows, ratio=ratio, overlap=overlap):
+                    return C.flash_compress_gathered(ring, rows, ratio, overlap, **kw)
+
+                self.variant(
+                    "compress",
+                    "decode: flash gathered +norm+rope",
+                    shape,
+                    fl,
+                    chk(fl),
+                    traffic,
+                    base,
+                )
+
+    # -- top-k
+    def topk(self, sweep: bool = False) -> None:
+        """Main phase: every shape, its baseline and variants, then the hard-input checks;
+        sweep phase: launch-knob variants at the headline shape."""
+        import importlib
+
+        from adapters.kernels import reference as R
+
+        TK = importlib.import_module("adapters.kernels.topk")  # the package's `topk` is a function
+
+        dev = self.device
+        if not sweep:
+            self.log(f"topk: tl.histogram mask support = {TK.HIST_MASK}")
+        if self.smoke:
+            n0 = 4096
+            shapes = [(1, n0, 64), (3, n0, 64), (1, 2 * n0, 128)]
+            extra = [(2, n0, 64)]
+        else:
+            n0 = 262_144
+            shapes = [
+                (1, n0, 512),
+                (8, n0, 512),
+                (32, n0, 512),
+                (128, n0, 512),
+                (1, 1 << 20, 512),
+                (1, n0, 1024),
+                (1, n0, 2048),
+            ]
+            extra = [(8, n0, 512), (32, n0, 2048)]
+
+        def exact(fn, x, k, lengths=None, sort=False):
+            def go():
+                got = fn()
+                want = R.topk_reference(x, k, lengths, sorted=sort)
+                names = ("values", "indices", "counts")
+                bad = [nm for a, b_, nm in zip(got, want, names) if not torch.equal(a, b_)]
+                again = fn()
+                same = all(torch.equal(a, b_) for a, b_ in zip(got, again))
+                if bad:
+                    return "FAIL " + "/".join(bad)
+                return "exact" + ("" if same else " but NOT deterministic")
+
+            return go
+
+        if sweep:
+            b, n, k = shapes[0]
+            shape = f"{b}x{n:,} k={k}"
+            g = torch.Generator(device=dev).manual_seed(SEED + b + k)
+            x = torch.randn(b, n, generator=g, device=dev)
+            base = self._find("torch.topk", shape)
+            knobs_list = [
+                dict(ctas=64),
+                dict(ctas=32),
+                dict(block=1024),
+                dict(num_warps=8),
+                dict(hist_mask=not TK.HIST_MASK),
+                dict(ctas=64, workspace=TK.topk_workspace(b, dev)),
+            ]
+            for knobs in knobs_list if not self.smoke else knobs_list[:1]:
+                label = ",".join(
+                    f"{a}={'reused' if a == 'workspace' else v}" for a, v in knobs.items()
+                )
+                run = functools.partial(TK.lightning_topk, x, k, **knobs)
+                self.variant(
+                    "topk",
+                    f"lightning {label}",
+                    shape,
+                    run,
+                    exact(run, x, k),
+                    None,
+                    base,
+                    optional=True,
+                )
+            return
+        for b, n, k in shapes:
+            shape = f"{b}x{n:,} k={k}"
+            g = torch.Generator(device=dev).manual_seed(SEED + b + k)
+            x = torch.randn(b, n, generator=g, device=dev)
+            base = self.variant("topk", "torch.topk", shape, lambda x=x, k=k: torch.topk(x, k))
+            if b in (1, 32):  # the model's current exact top-k: int64 keys through torch.topk
+                self.variant(
+                    "topk",
+                    "ops.topk_lowest_index (model today)",
+                    shape,
+                    lambda x=x, k=k: _ops().topk_lowest_index(x, k),
+                    None,
+                    None,
+                    base,
+                )
+            self.variant(
+                "topk",
+                "lightning (index order)",
+                shape,
+                lambda x=x, k=k: TK.lightning_topk(x, k),
+                exact(lambda x=x, k=k: TK.lightning_topk(x, k), x, k),
+                None,
+                base,
+            )
+            self.variant(
+                "topk",
+                "lightning sorted",
+                shape,
+                lambda x=x, k=k: TK.lightning_topk(x, k, sorted=True),
+                exact(lambda x=x, k=k: TK.lightning_topk(x, k, sorted=True), x, k, sort=True),
+                None,
+                base,
+            )
+            if b <= 32:  # a reused, self-cleaning workspace: no memset launch
+                ws = TK.topk_workspace(b, dev)
+                self.variant(
+                    "topk",
+                    "lightning reused workspace",
+                    shape,
+                    lambda x=x, k=k, ws=ws: TK.lightning_topk(x, k, workspace=ws),
+                    exact(lambda x=x, k=k, ws=ws: TK.lightning_topk(x, k, workspace=ws), x, k),
+                    None,
+                    base,
+                )
+            if b == 32 and not self.smoke:  # ragged rows, some shorter than k
+                lens = torch.randint(0, n + 1, (b,), generator=g, device=dev)
+                lens[:4] = torch.tensor([0, 100, k, n], device=dev)
+                self.variant(
+                    "topk",
+                    "lightning lengths",
+                    shape,
+                    lambda x=x, k=k, lens=lens: TK.lightning_topk(x, k, lens),
+                    exact(lambda x=x, k=k, lens=lens: TK.lightning_topk(x, k, lens), x, k, lens),
+                    None,
+                    base,
+                )
+            del x
+        # correctness on hard inputs (not timed)
+        for b, n, k in extra:
+            g = torch.Generator(device=dev).manual_seed(SEED + 7)
+            cases = {}
+            cases["ties {0,1,2}"] = (
+                torch.randint(0, 3, (b, n), generator=g, device=dev).float(),
+                None,
+            )
+            cases["all equal"] = (torch.full((b, n), 0.25, device=dev), None)
+            y = torch.randn(b, n, generator=g, device=dev)
+            y[:, n // 3 :] = float("-inf")
+            y[0, :] = float("-inf")
+            cases["-inf padding"] = (y, None)
+            z = torch.randint(-1, 2, (b, n), generator=g, device=dev).float() * 0.0  # +-0.0
+            z[:, ::7] = -0.0
+            cases["+0.0/-0.0"] = (z, None)
+            lens = torch.randint(0, 3 * k, (b,), generator=g, device=dev)
+            lens[0] = 0
+            cases["lengths < k"] = (torch.randn(b, n, generator=g, device=dev), lens)
+            cases["ties + lengths"] = (cases["ties {0,1,2}"][0], lens + n // 2)
+            for case, (x, lens) in cases.items():
+                for sort in (False, True):
+                    label = f"{case} {b}x{n} k={k}" + (" sorted" if sort else "")
+                    run = functools.partial(TK.lightning_topk, x, k, lens, sorted=sort)
+                    self.check(label, exact(run, x, k, lens, sort))
+
+    # -- report
+    def report(self) -> str:
+        out = []
+        comp = [r for r in self.rows if r["kernel"] == "compress"]
+        topk = [r for r in self.rows if r["kernel"] == "topk"]
+        if comp:
+            out += [
+                "",
+                "### Flash Compressor",
+                "",
+                "| variant | shape | µs | TB/s (min traffic) | × baseline | check | timing |",
+                "|---|---|---:|---:|---:|---|---|",
+            ]
+            for r in comp:
+                chk = r.get("check", "") + (f" ERROR {r['error']}" if r.get("error") else "")
+                out.append(
+                    f"| {r['variant']} | {r['shape']} | {_fmt(r.get('us'))} | "
+                    f"{_fmt(r.get('tbps'), 2)} | {_fmt(r.get('speedup'), 1)} | {chk} | "
+                    f"{r.get('timing', '')} |"
+                )
+        if topk:
+            out += [
+                "",
+                "### Lightning TopK",
+                "",
+                "| variant | shape | µs | × torch.topk | check | timing |",
+                "|---|---|---:|---:|---|---|",
+            ]
+            for r in topk:
+                chk = r.get("check", "") + (f" ERROR {r['error']}" if r.get("error") else "")
+                out.append(
+                    f"| {r['variant']} | {r['shape']} | {_fmt(r.get('us'), 2)} | "
+                    f"{_fmt(r.get('speedup'), 1)} | {chk} | {r.get('timing', '')} |"
+                )
+        if self.checks:
+            out += ["", "### Extra top-k exactness checks", "", "| case | result |", "|---|---|"]
+            out += [f"| {c['case']} | {c['result']} |" for c in self.checks]
+        out += ["", "### Targets", ""] + [f"- {line}" for line in self.targets()]
+        return "\n".join(out)
+
+    def _find(self, variant_prefix, shape_prefix):
+        for r in self.rows:
+            if r["variant"].startswith(variant_prefix) and r["shape"].startswith(shape_prefix):
+                return r
+        return None
+
+    def targets(self) -> list[str]:
+        if self.smoke:
+            return ["(smoke run: no targets)"]
+        lines = []
+        for name, shape in [("C4 overlap", "1,048,576x1024"), ("C128", "1,048,576x512")]:
+            fl = [
+                r
+                for r in self.rows
+                if r["variant"].startswith(f"{name}: flash")
+                and "+norm" not in r["variant"]
+                and r.get("us")
+                and r["shape"].startswith(shape)
+                and r.get("check", "").startswith("ok")
+            ]
+            if not fl:
+                lines.append(f"compressor {name}: no passing flash variant")
+                continue
+            best = max(fl, key=lambda r: r["tbps"])
+            ok = best["tbps"] >= 3.4 and (best.get("speedup") or 0) >= 10
+            lines.append(
+                f"compressor {name}: best {best['variant']} {best['tbps']:.2f} TB/s, "
+                f"{_fmt(best.get('speedup'))}x naive -> target >=3.4 TB/s and >=10x: "
+                f"{'MET' if ok else 'NOT MET'}"
+            )
+        for shape, us_max, x_min in [
+            ("1x262,144 k=512", 15.0, 5.0),
+            ("32x262,144 k=512", None, 2.0),
+        ]:
+            r = self._find("lightning (index order)", shape)
+            if not r or not r.get("us"):
+                lines.append(f"topk {shape}: no result")
+                continue
+            ok = (us_max is None or r["us"] <= us_max) and (r.get("speedup") or 0) >= x_min
+            lines.append(
+                f"topk {shape}: {r['us']:.2f} us, {_fmt(r.get('speedup'))}x torch.topk "
+                f"-> target {f'<={us_max:g} us and ' if us_max else ''}>={x_min:g}x: "
+                f"{'MET' if ok else 'NOT MET'}"
+            )
+        return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--json", type=Path, help="write every row and check to this file")
+    p.add_argument("--budget", type=float, default=100.0, help="seconds before optional parts stop")
+    p.add_argument("--only", choices=["compress", "topk"])
+    p.add_argument("--no-sweep", action="store_true", help="skip the launch-parameter sweeps")
+    p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes")
+    args = p.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("no CUDA device: run on a GPU, or use --smoke to exercise the script on the CPU")
+        return 2
+    torch.manual_seed(SEED)
+    bench = Bench(args)
+    meta = dict(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        seed=SEED,
+        smoke=args.smoke,
+        started=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except Exception as exc:  # noqa: BLE001
+        print(f"triton is not importable ({_short(exc)}): nothing to benchmark")
+        return 2
+    if not args.smoke:
+        props = torch.cuda.get_device_properties(0)
+        meta.update(
+            device=props.name,
+            sms=props.multi_processor_count,
+            memory_gib=round(props.total_memory / 2**30, 1),
+        )
+    bench.log(f"setup: {meta}")
+    parts = [
+        ("compress", bench.compress),
+        ("topk", bench.topk),
+        ("compress", bench.compress_decode),
+    ]
+    if not args.no_sweep:
+        parts += [
+            ("compress", functools.partial(bench.compress, sweep=True)),
+            ("topk", functools.partial(bench.topk, sweep=True)),
+        ]
+    for name, part in parts:
+        if args.only and args.only != name:
+            continue
+        try:
+            part()
+        except Exception as exc:  # noqa: BLE001 - a broken part must not hide the others
+            bench.add(
+                dict(kernel=name, variant="(part aborted)", shape="-", us=None, error=_short(exc))
+            )
+            traceback.print_exc()
+    meta["seconds"] = round(bench.budget.elapsed(), 1)
+    report = bench.report()
+    print(report)
+    print(f"\n(total {meta['seconds']} s)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps(dict(meta=meta, rows=bench.rows, checks=bench.checks), indent=1)
+        )
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,552 @@
+"""adapters.kernels: the PyTorch references against straightforward maths and against the
+model's own ops (``pool_groups``, ``finish_entries``, ``compressor_rows``,
+``topk_lowest_index``), and the Triton kernels under Triton's CPU interpreter at tiny shapes.
+
+The interpreter must be on (``TRITON_INTERPRET=1``) before Triton is first imported and before
+the ``@triton.jit`` decorators run. On a machine without CUDA where nothing has imported Triton
+yet, the `interp` fixture sets the variable, imports Triton, loads private copies of the kernel
+modules, and restores the variable (so the kernel lines count for coverage). Otherwise (a CUDA
+machine, or Triton already imported for real) every interpreter check runs in one child
+process. Without Triton those tests are skipped.
+
+Exactness: the top-k kernel must return exactly the reference's indices, values and counts
+(``torch.equal``); the compressor must match the fp32 reference within fp32 rounding (bf16
+outputs within one bf16 step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import adapters.kernels as kernels
+from adapters.kernels import reference as ref
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_DIR = ROOT / "adapters" / "kernels"
+ENV_AT_IMPORT = os.environ.get("TRITON_INTERPRET")
+NO_TRITON = "triton is not installed: the Triton kernels are not tested (pip install triton)"
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def _model_rows(kv, score, ape, ratio, overlap):
+    """Gathered rows ``(G, R, 2W)`` as the model builds them: ``[kv | score + ape[pos % r]]`` per
+    token, previous group first with overlap, group -1 padded (kv 0, score -inf)."""
+    t, w = kv.shape
+    g = t // ratio
+    pos = torch.arange(g * ratio)
+    tok = torch.cat((kv[: g * ratio], score[: g * ratio] + ape[pos % ratio]), -1)
+    grp = tok.view(g, ratio, 2 * w)
+    if not overlap:
+        return grp
+    pad = torch.zeros((1, ratio, 2 * w), dtype=kv.dtype)
+    pad[..., w:] = float("-inf")
+    return torch.cat((torch.cat((pad, grp[:-1]), 0), grp), dim=1)
+
+
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (4, False), (8, True), (16, False)])
+def test_compress_reference_matches_model_ops(ratio, overlap):
+    from adapters import ops
+
+    torch.manual_seed(ratio)
+    c, d = (2 if overlap else 1), 24
+    t = 5 * ratio + ratio // 2  # an incomplete group at the end is ignored
+    kv, score = torch.randn(t, c * d, dtype=torch.float64), torch.randn(t, c * d).double() * 3
+    ape = torch.randn(ratio, c * d, dtype=torch.float64)
+    rows = _model_rows(kv, score, ape, ratio, overlap)
+    pooled = ops.pool_groups(rows, overlap, ratio)
+    torch.testing.assert_close(ref.compress_reference(kv, score, ape, ratio, overlap), pooled)
+    torch.testing.assert_close(ref.naive_torch_chain(kv, score, ape, ratio, overlap), pooled)
+    norm = torch.rand(d, dtype=torch.float64) + 0.5
+    groups = torch.arange(pooled.shape[0]) + 7
+    want = ops.finish_entries(pooled, norm, groups, ratio, 8, 10000.0, 1e-6)
+    got = ref.compress_reference(
+        kv, score, ape, ratio, overlap, norm=norm, rope_dim=8, eps=1e-6, group_offset=7
+    )
+    torch.testing.assert_close(got, want)
+
+
+def test_compress_reference_rows_follow_compressor_rows():
+    """The bias convention (``ape[pos % ratio]``, token 0 opens group 0) is the model's."""
+    from adapters import ops
+    from adapters.weights import Compressor
+
+    torch.manual_seed(1)
+    ratio, d, dm = 4, 16, 12
+    comp = Compressor(
+        w_kv=torch.randn(dm, 2 * d).double(),
+        w_gate=torch.randn(dm, 2 * d).double(),
+        ape=torch.randn(ratio, 2 * d).double(),
+        norm=torch.ones(d).double(),
+    )
+    x = torch.randn(4 * ratio, dm, dtype=torch.float64)
+    rows = ops.compressor_rows(x, comp, torch.arange(x.shape[0]))
+    w = 2 * d
+    kv, score = x @ comp.w_kv, x @ comp.w_gate
+    torch.testing.assert_close(rows[:, :w], kv)
+    torch.testing.assert_close(
+        ref.compress_reference(kv, score, comp.ape, ratio, True),
+        ref.compress_reference(rows[:, :w], rows[:, w:], None, ratio, True),
+    )
+
+
+def test_compress_reference_by_hand():
+    """Entry 1 of a C4 overlap stream, channel by channel, written out."""
+    torch.manual_seed(2)
+    r, d = 4, 3
+    kv, score = torch.randn(12, 2 * d).double(), torch.randn(12, 2 * d).double()
+    ape = torch.randn(r, 2 * d).double()
+    out = ref.compress_reference(kv, score, ape, r, True)
+    for j in range(d):
+        s = [score[t, j] + ape[t % r, j] for t in range(0, 4)]  # group 0, first half
+        s += [score[t, d + j] + ape[t % r, d + j] for t in range(4, 8)]  # group 1, second
+        v = [kv[t, j] for t in range(0, 4)] + [kv[t, d + j] for t in range(4, 8)]
+        e = [torch.exp(x - max(s)) for x in s]
+        want = sum(a * b for a, b in zip(e, v)) / sum(e)
+        assert abs(float(out[1, j] - want)) < 1e-12
+    # entry 0: the padding group contributes nothing
+    s0 = score[:4, d:] + ape[:, d:]
+    torch.testing.assert_close(out[0], (torch.softmax(s0, 0) * kv[:4, d:]).sum(0))
+    assert ref.compress_reference(kv[:3], score[:3], ape, r, True).shape == (0, d)
+    with pytest.raises(ValueError):
+        ref.compress_reference(kv, score[:, :d], ape, r, True)
+
+
+def test_ordered_keys_preserve_fp32_order():
+    inf = float("inf")
+    x = torch.tensor([-inf, -3.5, -1e-38, -0.0, 0.0, 1e-45, 2.0, 3e38, inf])
+    keys = ref.ordered_keys(x)
+    assert keys[0] == 0x007FFFFF and keys[3] == keys[4] == 0x80000000
+    assert bool((keys[1:] >= keys[:-1]).all()) and int(keys.max()) < 2**32
+    y = torch.randn(1000) * 10.0 ** torch.randint(-30, 30, (1000,))
+    order = torch.argsort(y, stable=True)
+    assert bool((ref.ordered_keys(y[order]).diff() >= 0).all())
+
+
+def _ring_case(ratio, overlap, b, d, seed, dtype=torch.float32):
+    """A ring of rows ``[kv | score + ape]`` in shuffled slots, one group per request."""
+    g = torch.Generator().manual_seed(seed)
+    c = 2 if overlap else 1
+    t = 3 * ratio
+    kv = torch.randn(b, t, c * d, generator=g, dtype=dtype)
+    score = torch.randn(b, t, c * d, generator=g, dtype=dtype) * 2
+    ape = torch.randn(ratio, c * d, generator=g, dtype=dtype)
+    pos = torch.arange(t)
+    tok = torch.cat((kv, score + ape[pos % ratio]), -1).reshape(b * t, -1)
+    perm = torch.randperm(b * t, generator=g)
+    ring = torch.empty_like(tok)
+    ring[perm] = tok  # token i of request q lives in ring row perm[q*t + i]
+    group = torch.randint(0, 3, (b,), generator=g)
+    group[0] = 0
+    width = 2 * ratio if overlap else ratio
+    rpos = (group * ratio - (ratio if overlap else 0))[:, None] + torch.arange(width)
+    pad = rpos < 0
+    rows = perm.view(b, t).gather(1, rpos.clamp(min=0))
+    want = torch.stack(
+        [ref.compress_reference(kv[q], score[q], ape, ratio, overlap)[group[q]] for q in range(b)]
+    )
+    return ring, rows, pad, group, want
+
+
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (8, False)])
+def test_gathered_reference_matches_prefill(ratio, overlap):
+    ring, rows, pad, group, want = _ring_case(ratio, overlap, 5, 8, 3, torch.float64)
+    got = ref.compress_gathered_reference(ring, rows, ratio, overlap, pad=pad)
+    torch.testing.assert_close(got, want)
+    norm = torch.rand(8).double() + 0.5
+    got = ref.compress_gathered_reference(
+        ring, rows, ratio, overlap, pad=pad, groups=group, norm=norm, rope_dim=4
+    )
+    pos = group * ratio
+    torch.testing.assert_close(got, ref._epilogue(want, pos, norm, 4, 10000.0, 1e-6))
+    with pytest.raises(ValueError):
+        ref.compress_gathered_reference(ring, rows[:, :3], ratio, overlap)
+    with pytest.raises(ValueError):
+        ref.compress_gathered_reference(ring, rows, ratio, overlap, norm=norm)
+
+
+def test_topk_reference_by_hand():
+    inf = float("inf")
+    x = torch.tensor(
+        [
+            [3.0, 1.0, 3.0, 2.0, 3.0, 0.0],
+            [-0.0, 0.0, -1.0, 0.0, -inf, 5.0],
+            [-inf, -inf, -inf, -inf, -inf, -inf],
+        ]
+    )
+    v, i, c = ref.topk_reference(x, 2, torch.tensor([6, 4, 6]))
+    assert i.tolist() == [[0, 2], [0, 1], [0, 1]]
+    assert c.tolist() == [2, 2, 2]
+    v, i, c = ref.topk_reference(x, 4, torch.tensor([6, 4, 3]), sorted=True)
+    assert i.tolist() == [[0, 2, 4, 3], [0, 1, 3, 2], [0, 1, 2, 0]]
+    assert c.tolist() == [4, 4, 3]
+    assert v[2].tolist() == [-inf, -inf, -inf, -inf] and v[0].tolist() == [3, 3, 3, 2]
+    v, i, c = ref.topk_reference(x, 8, torch.tensor([0, 9, -1]))
+    assert (
+        c.tolist() == [0, 6, 0] and i[0].tolist() == [0] * 8 and i[1, :6].tolist() == list(range(6))
+    )
+    assert v[0].tolist() == [-inf] * 8
+    with pytest.raises(ValueError):
+        ref.topk_reference(x[0], 2, None)
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties"])
+def test_topk_reference_matches_topk_lowest_index(kind):
+    from adapters import ops
+
+    torch.manual_seed(4)
+    x = torch.randn(3, 700) if kind == "normal" else torch.randint(0, 3, (3, 700)).float()
+    x[1, ::3] = -0.0 if kind == "ties" else x[1, ::3]
+    v, i, c = ref.topk_reference(x, 64, sorted=True)
+    wv, wi = ops.topk_lowest_index(x, 64)
+    assert torch.equal(i, wi) and torch.equal(v, wv) and c.tolist() == [64] * 3
+    # unsorted: the same set, by index
+    v2, i2, _ = ref.topk_reference(x, 64)
+    assert torch.equal(i2, torch.sort(wi, dim=1).values)
+    assert torch.equal(v2, x.gather(1, i2))
+
+
+def test_dispatch_on_cpu_uses_the_references():
+    assert isinstance(kernels.TRITON_AVAILABLE, bool)
+    torch.manual_seed(5)
+    kv, score, ape = torch.randn(17, 16), torch.randn(17, 16), torch.randn(4, 16)
+    assert not kernels.use_triton(kv)
+    torch.testing.assert_close(
+        kernels.compress(kv, score, ape, 4, True), ref.compress_reference(kv, score, ape, 4, True)
+    )
+    ring, rows, pad, group, want = _ring_case(4, True, 3, 8, 6)
+    torch.testing.assert_close(kernels.compress_gathered(ring, rows, 4, True, pad=pad), want)
+    x = torch.randn(2, 50)
+    got = kernels.topk(x, 5, torch.tensor([50, 3]), sorted=True)
+    for a, b in zip(got, ref.topk_reference(x, 5, torch.tensor([50, 3]), sorted=True)):
+        assert torch.equal(a, b)
+
+
+def test_package_topk_stays_the_function():
+    """Importing ``adapters/kernels/topk.py`` must not replace the package's ``topk``."""
+    import types
+
+    fn = kernels.topk
+    kernels.topk = types.ModuleType("adapters.kernels.topk")  # what the import system does
+    assert kernels.topk is fn
+    kernels.other = 1  # other attributes behave as usual
+    assert kernels.other == 1
+    del kernels.other
+
+
+# ------------------------------------------------------------- Triton, under the interpreter
+
+
+def _triton_state() -> str:
+    if importlib.util.find_spec("triton") is None:
+        return "missing"
+    if "triton" not in sys.modules:
+        return "fresh"
+    import triton.language as tl
+
+    return "interpreted" if type(tl.zeros).__name__ == "InterpretedFunction" else "compiled"
+
+
+@contextlib.contextmanager
+def _interpreting():
+    """TRITON_INTERPRET=1 for the duration (Triton reads it at import, at decoration, and in
+    modules it imports lazily), then restored."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:  # pragma: no cover - only when the caller had set it
+            os.environ["TRITON_INTERPRET"] = before
+
+
+def _load_interpreted():
+    """Private copies of the kernel modules, loaded with the interpreter on (Triton too, if it
+    was not imported yet)."""
+    with _interpreting():
+        import triton  # noqa: F401
+
+        try:  # imported lazily by triton.runtime.jit; it asserts interpreter mode at import
+            import triton.experimental.gluon  # noqa: F401
+        except ImportError:  # pragma: no cover - older Triton
+            pass
+        mods = []
+        for name in ("compressor", "topk"):
+            spec = importlib.util.spec_from_file_location(
+                f"adapters.kernels._interpreted_{name}", KERNEL_DIR / f"{name}.py"
+            )
+            assert spec is not None and spec.loader is not None
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            mods.append(mod)
+        return tuple(mods)
+
+
+@pytest.fixture(scope="module")
+def interp():
+    """(compressor, topk) interpreted modules, or None: run the checks in a child process."""
+    state = _triton_state()
+    if state == "missing":
+        pytest.skip(NO_TRITON)
+    if state in ("fresh", "interpreted") and not torch.cuda.is_available():
+        return _load_interpreted()
+    return None  # pragma: no cover - a CUDA machine, or Triton already compiled-mode
+
+
+_CHILD = """
+import importlib.util, json, sys, traceback
+sys.path.insert(0, {root!r})
+spec = importlib.util.spec_from_file_location("kernel_tests", {path!r})
+t = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(t)
+mods = t._load_interpreted()
+out = {{}}
+for name in t.INTERP_CHECKS:
+    try:
+        getattr(t, name)(*mods)
+        out[name] = "ok"
+    except Exception:
+        out[name] = traceback.format_exc()
+print("@@RESULTS@@" + json.dumps(out))
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _child_results() -> dict:  # pragma: no cover - exercised on CUDA machines only
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    code = _CHILD.format(root=str(ROOT), path=str(Path(__file__).resolve()))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("@@RESULTS@@"):
+            return json.loads(line[len("@@RESULTS@@") :])
+    raise AssertionError(f"interpreter child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def _run(interp, check) -> None:
+    if interp is not None:
+        with _interpreting():
+            check(*interp)
+        return
+    result = _child_results()[check.__name__]  # pragma: no cover - CUDA machines
+    assert result == "ok", result  # pragma: no cover
+
+
+def _close(got, want, bf16=False):
+    want = want.to(got.dtype)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if bf16:  # one bf16 step at the value's magnitude
+        tol = want.float().abs() * 2.0**-7 + 1e-6
+        assert bool(((got.float() - want.float()).abs() <= tol).all())
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+
+
+def check_compress_prefill(comp, _topk):
+    g = torch.Generator().manual_seed(10)
+    cases = [  # ratio, overlap, d, tokens, launch knobs
+        (4, True, 32, 4 * 7 + 3, {}),
+        (4, True, 48, 4 * 9, dict(block_g=4, block_d=16)),  # tails in both block axes
+        (4, False, 32, 4 * 5 + 1, dict(block_g=2)),
+        (16, False, 16, 16 * 3 + 5, dict(rows_chunk=4)),  # online softmax over 4 chunks
+        (8, True, 16, 8 * 3, dict(rows_chunk=2, block_g=2)),
+        (2, False, 16, 7, {}),
+    ]
+    for ratio, overlap, d, t, knobs in cases:
+        c = 2 if overlap else 1
+        kv = torch.randn(t, c * d, generator=g)
+        score = torch.randn(t, c * d, generator=g) * 3
+        ape = torch.randn(ratio, c * d, generator=g)
+        want = ref.compress_reference(kv, score, ape, ratio, overlap)
+        _close(comp.flash_compress(kv, score, ape, ratio, overlap, **knobs), want)
+        # strided inputs (kv and score as halves of one row buffer), bias already added
+        both = torch.cat((kv, score + ape.repeat(t // ratio + 1, 1)[:t]), 1)
+        got = comp.flash_compress(both[:, : c * d], both[:, c * d :], None, ratio, overlap)
+        _close(got, want)
+    # bf16 in, bf16 or fp32 out
+    kv, score = torch.randn(4 * 6 + 2, 64, generator=g), torch.randn(4 * 6 + 2, 64, generator=g)
+    ape = torch.randn(4, 64, generator=g)
+    kb, sb, ab = kv.bfloat16(), score.bfloat16(), ape.bfloat16()
+    want = ref.compress_reference(kb, sb, ab, 4, True, out_dtype=torch.float32)
+    _close(comp.flash_compress(kb, sb, ab, 4, True, out_dtype=torch.float32), want)
+    _close(comp.flash_compress(kb, sb, ab, 4, True), want, bf16=True)
+    out = torch.empty(6, 32)
+    assert comp.flash_compress(kv, score, ape, 4, True, out=out) is out
+    _close(out, ref.compress_reference(kv, score, ape, 4, True))
+    assert comp.flash_compress(kv[:3], score[:3], ape, 4, True).shape == (0, 32)
+
+
+def check_compress_epilogue(comp, _topk):
+    g = torch.Generator().manual_seed(11)
+    cases = [  # ratio, overlap, d, rope_dim, group_offset
+        (4, True, 32, 8, 0),
+        (4, True, 56, 16, 250_000),  # 40 no-RoPE channels (not a power of two); angles ~1e6
+        (8, False, 32, 0, 3),  # RMSNorm only
+        (16, False, 32, 32, 1),  # RoPE on every channel
+    ]
+    for ratio, overlap, d, rope_dim, off in cases:
+        c = 2 if overlap else 1
+        t = ratio * 5 + 1
+        kv, score = torch.randn(t, c * d, generator=g), torch.randn(t, c * d, generator=g)
+        ape, norm = torch.randn(ratio, c * d, generator=g), torch.rand(d, generator=g) + 0.5
+        kw = dict(norm=norm, rope_dim=rope_dim, theta=10000.0, eps=1e-6, group_offset=off)
+        want = ref.compress_reference(kv, score, ape, ratio, overlap, **kw)
+        _close(comp.flash_compress(kv, score, ape, ratio, overlap, **kw), want)
+        _close(comp.flash_compress(kv, score, ape, ratio, overlap, block_g=2, **kw), want)
+
+
+def check_compress_gathered(comp, _topk):
+    for ratio, overlap, epi in [(4, True, False), (4, True, True), (8, False, True)]:
+        ring, rows, pad, group, want = _ring_case(ratio, overlap, 5, 16, ratio)
+        kw = {}
+        if epi:
+            norm = torch.rand(16) + 0.5
+            kw = dict(groups=group, norm=norm, rope_dim=8)
+            want = ref._epilogue(want, group * ratio, norm, 8, 10000.0, 1e-6)
+        got = comp.flash_compress_gathered(ring, rows, ratio, overlap, pad=pad, **kw)
+        _close(got, want)
+        got = comp.flash_compress_gathered(
+            ring, rows.int(), ratio, overlap, pad=pad.to(torch.uint8), block_g=2, **kw
+        )
+        _close(got, want)
+    # the bias added in the kernel; no padding (all groups complete)
+    ring, rows, pad, group, _ = _ring_case(4, False, 3, 16, 9)
+    ape = torch.randn(4, 16)
+    want = ref.compress_gathered_reference(ring, rows, 4, False, ape=ape, out_dtype=torch.float32)
+    _close(comp.flash_compress_gathered(ring, rows, 4, False, ape=ape), want)
+
+
+def check_compress_errors(comp, _topk):
+    kv = torch.zeros(8, 32)
+    bad = [
+        lambda: comp.flash_compress(kv, kv[:, :16], None, 4, True),
+        lambda: comp.flash_compress(torch.zeros(8, 33), torch.zeros(8, 33), None, 4, True),
+        lambda: comp.flash_compress(kv, kv, torch.zeros(3, 32), 4, True),
+        lambda: comp.flash_compress(kv, kv, None, 4, True, rows_chunk=3),
+        lambda: comp.flash_compress(kv, kv, None, 4, True, norm=torch.ones(16), rope_dim=6),
+        lambda: comp.flash_compress(kv, kv, None, 4, True, norm=torch.ones(8), rope_dim=4),
+        lambda: comp.flash_compress_gathered(kv, torch.zeros(2, 5, dtype=torch.long), 4, True),
+        lambda: comp.flash_compress_gathered(
+            torch.zeros(8, 30), torch.zeros(2, 8, dtype=torch.long), 4, True
+        ),
+        lambda: comp.flash_compress_gathered(
+            kv, torch.zeros(2, 8, dtype=torch.long), 4, True, norm=torch.ones(8)
+        ),
+        lambda: comp.flash_compress_gathered(
+            kv, torch.zeros(2, 8, dtype=torch.long), 4, True, pad=torch.zeros(2, 4, dtype=bool)
+        ),
+    ]
+    for call in bad:
+        try:
+            call()
+        except ValueError:
+            continue
+        raise AssertionError("expected ValueError")
+
+
+def _same_topk(topk_mod, x, k, lengths=None, **knobs):
+    for sort in (False, True):
+        got = topk_mod.lightning_topk(x, k, lengths, sorted=sort, **knobs)
+        want = ref.topk_reference(x, k, lengths, sorted=sort)
+        for a, b, what in zip(got, want, ("values", "indices", "counts")):
+            assert a.dtype == b.dtype and torch.equal(a, b), (what, x.shape, k, knobs, sort)
+    return got
+
+
+def check_topk_random(_comp, topk_mod):
+    g = torch.Generator().manual_seed(20)
+    x = torch.randn(3, 3000, generator=g)
+    first = _same_topk(topk_mod, x, 64, block=256)  # 3 CTAs per row (CPU: 8 CTAs in all)
+    again = topk_mod.lightning_topk(x, 64, sorted=True, block=256)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))  # deterministic
+    _same_topk(topk_mod, x[:1], 100, block=128, ctas=7)  # 7 CTAs, ragged last span
+    _same_topk(topk_mod, x[:, :1000].double() * 1e30, 50, block=512, num_warps=2)  # fp64 in
+    xs = x[:, ::2]  # strided rows
+    _same_topk(topk_mod, xs, 33, block=256)
+    # a reused workspace is left zeroed by the kernels
+    ws = topk_mod.topk_workspace(4, "cpu")
+    for rows, k in ((x, 64), (torch.randint(0, 3, (4, 900), generator=g).float(), 300)):
+        _same_topk(
+            topk_mod, rows, k, torch.tensor([900, 5, 0, 700])[: len(rows)], block=128, workspace=ws
+        )
+        assert not ws.any()
+    try:
+        topk_mod.lightning_topk(x, 8, workspace=ws[:2])
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("expected ValueError")
+
+
+def check_topk_ties(_comp, topk_mod):
+    g = torch.Generator().manual_seed(21)
+    x = torch.randint(0, 3, (4, 2000), generator=g).float()
+    x[1] = 7.0  # all equal: the k lowest indices
+    x[2, ::2] = -0.0  # -0.0 ties +0.0
+    x[2, 1::2] = 0.0
+    x[3, 900:] = float("-inf")  # -inf padding, selected last and by index
+    _same_topk(topk_mod, x, 120, block=256)
+    _same_topk(topk_mod, x, 120, block=256, hist_mask=False)  # older-Triton histogram path
+    y = torch.full((2, 600), float("-inf"))
+    y[0, 5] = 1.0
+    _same_topk(topk_mod, y, 64, block=128)
+    # the k-th value straddles CTAs: ties across CTA boundaries, taken lowest index first
+    z = torch.zeros(1, 1024)
+    z[0, ::5] = 1.0
+    _same_topk(topk_mod, z, 250, block=128, ctas=8)
+
+
+def check_topk_lengths(_comp, topk_mod):
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(5, 1500, generator=g)
+    x[4] = torch.randint(0, 2, (1500,), generator=g).float()
+    lengths = torch.tensor([1500, 40, 0, 2000, 700])  # fewer than k, none, past N, ties
+    _same_topk(topk_mod, x, 64, lengths, block=256)
+    _same_topk(topk_mod, x, 64, lengths.int(), block=256, hist_mask=False)
+    _same_topk(topk_mod, x[:2, :50], 100)  # k > N: every row takes all
+    v, i, c = topk_mod.lightning_topk(x[:0], 8)
+    assert v.shape == (0, 8) and i.shape == (0, 8) and c.shape == (0,)
+    for bad in (lambda: topk_mod.lightning_topk(x[0], 4), lambda: topk_mod.lightning_topk(x, 0)):
+        try:
+            bad()
+        except ValueError:
+            continue
+        raise AssertionError("expected ValueError")
+
+
+INTERP_CHECKS = [
+    "check_compress_prefill",
+    "check_compress_epilogue",
+    "check_compress_gathered",
+    "check_compress_errors",
+    "check_topk_random",
+    "check_topk_ties",
+    "check_topk_lengths",
+]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # tail rows
+@pytest.mark.parametrize("name", INTERP_CHECKS)
+def test_triton_kernel_under_interpreter(interp, name):
+    _run(interp, globals()[name])
+
+
+def test_interpreter_does_not_leak(interp):
+    assert os.environ.get("TRITON_INTERPRET") == ENV_AT_IMPORT
+    if interp is not None:  # private copies: the package's own modules stay untouched
+        assert interp[0].__name__ == "adapters.kernels._interpreted_compressor"
+        assert sys.modules.get(interp[1].__name__) is None
