@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/shadowradix demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest --hypothesis-profile=ci --cov=shadowradix --cov=adapters --cov-branch \
+	$(BIN)/python -m pytest --hypothesis-profile=ci --cov=shadowradix --cov=hisparse --cov=adapters --cov-branch \
 		--cov-report=term-missing:skip-covered --cov-fail-under=95
 
 thorough: $(STAMP)

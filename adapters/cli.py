@@ -41,6 +41,11 @@ def add_run_parser(sub) -> None:
     run.add_argument("--chunk-tokens", type=int, default=256)
     run.add_argument("--max-running", type=int, default=32)
     run.add_argument(
+        "--hisparse-pages",
+        type=int,
+        help="keep C4 KV in host memory with this many device pages per C4 layer",
+    )
+    run.add_argument(
         "--arrival-steps",
         type=int,
         default=2,

@@ -55,7 +55,12 @@ class _Inflight:
 
 
 class C4Offload:
-    """Host mirror + device working set of the C4 KV, planned by `hisparse.Coordinator`."""
+    """Host mirror + device working set of the C4 KV, planned by `hisparse.Coordinator`.
+
+    ``zero_copy`` (CUDA only; default: when CuPy can map the pinned mirror): copies are GPU
+    gathers reading and writing the mapped host memory directly; otherwise swap-ins gather on
+    the CPU into pinned staging and backups land in staging that `poll` copies into the mirror.
+    """
 
     def __init__(
         self,
@@ -65,6 +70,7 @@ class C4Offload:
         dtype: torch.dtype,
         device_pages: int,
         debug: bool = False,
+        zero_copy: bool | None = None,
     ) -> None:
         if 4 not in model.ratios or cache.page_size < 4:
             raise ValueError("HiSparse needs C4 layers and a page size >= 4")
@@ -87,6 +93,10 @@ class C4Offload:
         self.device_pages = device_pages
         self._index = {layer: j for j, layer in enumerate(self.layers)}
         self._stream = torch.cuda.Stream(device) if pin else None
+        # GPU views of the pinned mirrors (unified addressing): copies become GPU gathers that
+        # read / write host memory directly, with no CPU-side gather or staging.
+        use = pin if zero_copy is None else zero_copy and pin
+        self._mapped = {i: _mapped_view(self.host[i], device) for i in self.layers} if use else {}
         self._inflight: list[_Inflight] = []
         self.stats = OffloadStats()
 
@@ -171,6 +181,9 @@ class C4Offload:
         if not len(pages):
             self.coordinator.complete(batch.ticket)
             return
+        if self._mapped.get(layer) is not None:
+            self._swap_in_mapped(layer, batch, pages)
+            return
         slots = _index(batch.device_slots)
         host = self.host[layer]
         staging = torch.empty(
@@ -193,10 +206,39 @@ class C4Offload:
         compute.wait_event(event)  # the step's reads and writes wait for the swap-in
         self._inflight.append(_Inflight(batch.ticket, event, staging=staging))
 
+    def _swap_in_mapped(self, layer: int, batch: CopyBatch, pages: np.ndarray) -> None:
+        mapped = self._mapped[layer]
+        assert mapped is not None and self._stream is not None
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)
+        with torch.cuda.stream(self._stream):
+            src = torch.from_numpy(pages).to(self.device, non_blocking=True)
+            dst = _index(batch.device_slots).to(self.device, non_blocking=True)
+            self.buffer[layer].index_copy_(0, dst, mapped.index_select(0, src))
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        compute.wait_event(event)
+        self.stats.swap_in_pages += len(pages)
+        self.stats.swap_in_bytes += len(pages) * self.buffer[layer][0].numel() * 2
+        self._inflight.append(_Inflight(batch.ticket, event))
+
     def _backup(self, layer: int, batch: CopyBatch) -> None:
         pages = np.array(batch.host_pages, dtype=np.int64)  # a writable copy
         if not len(pages):
             self.coordinator.complete(batch.ticket)
+            return
+        mapped = self._mapped.get(layer)
+        if mapped is not None and self._stream is not None:
+            compute = torch.cuda.current_stream(self.device)
+            self._stream.wait_stream(compute)  # the writes must have landed
+            with torch.cuda.stream(self._stream):
+                dst = torch.from_numpy(pages).to(self.device, non_blocking=True)
+                src = _index(batch.device_slots).to(self.device, non_blocking=True)
+                mapped.index_copy_(0, dst, self.buffer[layer].index_select(0, src))
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            self.stats.backup_pages += len(pages)
+            self._inflight.append(_Inflight(batch.ticket, event))
             return
         slots = _index(batch.device_slots).to(self.device)
         self.stats.backup_pages += len(pages)
@@ -222,6 +264,29 @@ class C4Offload:
         dev = sum(t.numel() * t.element_size() for t in self.buffer.values())
         host = sum(t.numel() * t.element_size() for t in self.host.values())
         return dev, host
+
+
+def _mapped_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """A CUDA tensor aliasing pinned ``host`` memory (device pointer == host pointer under
+    unified addressing), built through CuPy's DLPack bridge; ``None`` where CuPy is absent or
+    the mapping fails (the staged copies are used then)."""
+    try:
+        import cupy  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    try:
+        raw = host.view(torch.int16)
+        mem = cupy.cuda.UnownedMemory(raw.data_ptr(), raw.numel() * 2, raw, device.index or 0)
+        arr = cupy.ndarray(
+            tuple(raw.shape), dtype=cupy.int16, memptr=cupy.cuda.MemoryPointer(mem, 0)
+        )
+        view = torch.from_dlpack(arr).view(host.dtype)
+        probe = view[:1].clone()  # the GPU can read it
+        if not torch.equal(probe.cpu(), host[:1]):
+            return None
+        return view
+    except Exception:  # noqa: BLE001 - any failure: fall back to staged copies
+        return None
 
 
 def _index(ids: np.ndarray) -> torch.Tensor:

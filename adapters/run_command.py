@@ -29,6 +29,7 @@ def build_runner(args: argparse.Namespace) -> Runner:
         device=args.device,
         chunk_tokens=args.chunk_tokens,
         max_running=args.max_running,
+        hisparse_pages=args.hisparse_pages,
     )
 
 
@@ -93,6 +94,13 @@ def summary(runner: Runner, results: list[GenerationResult], wall: float) -> str
         f"preemptions {st.preemptions}",
         f"time: forward {st.forward_s:.2f} s, scheduling + cache {st.schedule_s:.2f} s",
     ]
+    if runner.offload is not None:
+        hs = runner.offload.coordinator.stats()
+        lines.append(
+            f"HiSparse: {runner.offload.device_pages} device pages per C4 layer, reads hit "
+            f"{hs.read_hits / max(1, hs.reads):.1%}, {hs.swap_ins} swap-ins, {hs.evictions} "
+            f"evictions, {hs.backups} backups"
+        )
     if runner.device.type == "cuda":
         lines.append(
             f"GPU memory peak {torch.cuda.max_memory_allocated(runner.device) / 2**30:.2f} GiB"

@@ -89,13 +89,16 @@ def main() -> int:
                 f"max |logit diff| {d:.3e} {'ok' if ok else 'FAIL'}",
                 flush=True,
             )
-        for graphs in (False, True):
+        for graphs, hisparse in ((False, None), (True, None), (False, 12)):
             t0 = time.perf_counter()
-            agree, total, hits, pre = generate_check(model, weights, args.device, dtype, graphs)
+            agree, total, hits, pre = generate_check(
+                model, weights, args.device, dtype, graphs, hisparse
+            )
             ok = agree == total
             failures += not ok
+            mode = f"hisparse={hisparse}" if hisparse else f"graphs={graphs!s:5}"
             print(
-                f"runner  {str(dtype):14} graphs={graphs!s:5}: greedy agreement {agree}/{total}"
+                f"runner  {str(dtype):14} {mode}: greedy agreement {agree}/{total}"
                 f" requests, hit tokens {hits}, preemptions {pre} "
                 f"({time.perf_counter() - t0:.1f} s) {'ok' if ok else 'FAIL'}",
                 flush=True,
@@ -104,7 +107,9 @@ def main() -> int:
     return 1 if failures else 0
 
 
-def generate_check(model, weights, device, dtype, graphs: bool) -> tuple[int, int, int, int]:
+def generate_check(
+    model, weights, device, dtype, graphs: bool, hisparse: int | None = None
+) -> tuple[int, int, int, int]:
     """Greedy outputs of the runner versus the reference, request by request."""
     rng = np.random.default_rng(7)
     system = rng.integers(0, 256, 300).tolist()
@@ -120,6 +125,7 @@ def generate_check(model, weights, device, dtype, graphs: bool) -> tuple[int, in
         chunk_tokens=77,
         max_running=6,
         graph_decode=graphs,
+        hisparse_pages=hisparse,  # a buffer of 12 pages of 4 C4 entries: constant swap-ins
     )
     params = SamplingParams(max_new_tokens=10)
     results = runner.generate(prompts[:1], params) + runner.generate(prompts[1:], params)

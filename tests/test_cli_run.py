@@ -54,6 +54,7 @@ def test_run_prompts_from_arguments_and_file(
         (["run", "x", "--temperature", "-1"], "temperature"),
         (["run", "x", "--chunk-tokens", "100000"], "SWA pool"),
         (["run", "x", "--file", "/nonexistent/prompts.txt"], "No such file"),
+        (["run", "x", "--hisparse-pages", "3"], "cannot hold"),
     ],
 )
 def test_run_bad_arguments_exit_2_with_one_line(
@@ -62,3 +63,10 @@ def test_run_bad_arguments_exit_2_with_one_line(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_run_with_hisparse_reports_its_buffer(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["run", "--max-new-tokens", "4", "--device", "cpu", "--hisparse-pages", "40"]
+    assert main(argv + ["--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "HiSparse: 40 device pages per C4 layer" in out

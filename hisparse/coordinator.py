@@ -1,0 +1,163 @@
+"""`Coordinator`: the HiSparse working-set planner of every C4 layer. Pure: it decides which
+host pages occupy which device slots and which copies to make; the adapter executes them."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from .config import HiSparseConfig
+from .errors import ConfigError, PinnedPageError, require
+from .inputs import StepInput, as_host_pages, as_layer, distinct
+from .layer import LayerState
+from .results import BufferStats, CopyKind, StepPlan
+from .tickets import TicketBook
+
+
+class Coordinator:
+    """Plans each C4 layer-step's copies and slot translation; tracks in-flight copies by ticket.
+
+    Every method validates its arguments before changing anything, and every error leaves the
+    coordinator exactly as it was. With ``config.debug`` each mutating call (`plan_step`,
+    `complete`, `release`) ends with `check_invariants`.
+    """
+
+    def __init__(self, config: HiSparseConfig) -> None:
+        if not isinstance(config, HiSparseConfig):
+            raise ConfigError(f"expected a HiSparseConfig, got {type(config).__name__}")
+        self.config = config
+        self._layers = [LayerState(i, config) for i in range(config.num_layers)]
+        self._tickets = TicketBook()
+
+    def plan_step(
+        self,
+        layer: int,
+        reads: npt.ArrayLike,
+        writes: npt.ArrayLike,
+        fresh: npt.ArrayLike | None = None,
+    ) -> StepPlan:
+        """Plan one step of ``layer``: every page of ``reads`` and ``writes`` gets a device slot.
+
+        ``reads``: host pages the step's attention reads (any shape, duplicates allowed).
+        ``writes``: host pages receiving new entries (any shape, duplicates allowed).
+        ``fresh``: bool mask aligned with ``writes``; ``True`` marks a page's first write since
+        it was allocated (or released): it holds no data, so it gets a slot without a swap-in.
+
+        Mutates: missing pages are placed (free slots first, then least recently used unpinned
+        pages not in this step are evicted); swap-in pages and written pages are pinned until
+        their tickets complete; written pages' host copies count as stale until then; the LRU
+        stamps every page of the step. Raises `InvalidInputError` (bad layer, page out of range,
+        non-integer array, mis-shaped ``fresh``), `MissingPageDataError` (a read or non-fresh
+        write of a page holding no data, a fresh page that holds data) or `DeviceBufferFull`;
+        all with nothing changed.
+        """
+        index = as_layer(layer, self.config.num_layers)
+        step = StepInput.parse(reads, writes, fresh, self.config.max_host_pages)
+        state = self._layers[index]
+        placed = state.plan(step)
+        issue, clock = self._tickets.issue, state.clock
+        swap_in = issue(index, clock, CopyKind.SWAP_IN, placed.swap_pages, placed.swap_slots)
+        backup = issue(index, clock, CopyKind.BACKUP, placed.backup_pages, placed.backup_slots)
+        plan = StepPlan(
+            index, swap_in, placed.evicted_pages, placed.read_slots, placed.write_slots, backup
+        )
+        self._debug_check()
+        return plan
+
+    def complete(self, ticket: int) -> None:
+        """A copy batch finished: unpin its pages (a backup also makes the host copy current).
+
+        Completions may come in any order. Raises `TicketError` for a ticket never issued or
+        already completed (nothing changes).
+        """
+        batch = self._tickets.redeem(ticket)
+        self._layers[batch.layer].finish(batch)
+        self._debug_check()
+
+    def release(self, host_pages: npt.ArrayLike) -> None:
+        """The cache freed these virtual pages: in every layer, drop their device copy (freeing
+        the slot) and forget their host data; a later read raises, a later write must be fresh.
+
+        Pages that hold nothing are ignored. Raises `InvalidInputError` for ids out of range and
+        `PinnedPageError` if a pending copy still uses one of the pages in any layer — complete
+        its ticket first (the copy may still be reading or writing the page); nothing changes.
+        """
+        pages = as_host_pages(host_pages, self.config.max_host_pages, "host_pages")
+        pages = distinct(pages.reshape(-1))
+        pinned = [(s.index, s.pinned(pages)) for s in self._layers]
+        held = sorted({int(p) for _, ps in pinned for p in ps})
+        if held:
+            tickets = [t for i, ps in pinned for t in self._tickets.holding(i, set(ps.tolist()))]
+            raise PinnedPageError(held, tickets)
+        for state in self._layers:
+            state.release(pages)
+        self._debug_check()
+
+    def resident(self, layer: int, host_pages: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+        """Whether each of ``host_pages`` (any shape) has a device slot in ``layer``."""
+        index = as_layer(layer, self.config.num_layers)
+        pages = as_host_pages(host_pages, self.config.max_host_pages, "host_pages")
+        return self._layers[index].resident(pages)
+
+    @property
+    def pending_tickets(self) -> tuple[int, ...]:
+        """Tickets issued and not yet completed, in issue order."""
+        return tuple(b.ticket for b in self._tickets.pending())
+
+    def stats(self, layer: int | None = None) -> BufferStats:
+        """Occupancy and counters of ``layer``, or summed over all layers (``layer=None``)."""
+        if layer is None:
+            parts = [self._layer_stats(s) for s in self._layers]
+            totals = [sum(getattr(p, f) for p in parts) for f in _SUMMED]
+            return BufferStats(None, *totals)
+        return self._layer_stats(self._layers[as_layer(layer, self.config.num_layers)])
+
+    def _layer_stats(self, state: LayerState) -> BufferStats:
+        buf, c = state.buffer, state.counters
+        return BufferStats(
+            layer=state.index,
+            device_slots=buf.num_slots,
+            resident_pages=buf.num_resident,
+            free_slots=buf.num_free,
+            pinned_pages=int(np.count_nonzero(buf.pins)),
+            pending_tickets=len(self._tickets.pending(state.index)),
+            steps=c.steps,
+            swap_ins=c.swap_ins,
+            evictions=c.evictions,
+            backups=c.backups,
+            reads=c.reads,
+            read_hits=c.read_hits,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise `InvariantError` unless, in every layer: page and slot tables are inverse on
+        resident pages, no slot is owned twice, free + resident slots = ``device_slots``, pin
+        counts equal the pending tickets' copies (so every pending ticket's pages are pinned and
+        resident at its slots), a page whose only copy is on the device has a pending backup,
+        the LRU frontier lists every old unpinned page, counters are >= 0."""
+        self._tickets.check_invariants()
+        for state in self._layers:
+            state.check_invariants(self._tickets.pending(state.index))
+        require(
+            sum(len(self._tickets.pending(s.index)) for s in self._layers) == len(self._tickets),
+            "a pending ticket names no layer",
+        )
+
+    def _debug_check(self) -> None:
+        if self.config.debug:
+            self.check_invariants()
+
+
+_SUMMED = (
+    "device_slots",
+    "resident_pages",
+    "free_slots",
+    "pinned_pages",
+    "pending_tickets",
+    "steps",
+    "swap_ins",
+    "evictions",
+    "backups",
+    "reads",
+    "read_hits",
+)
