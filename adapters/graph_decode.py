@@ -294,14 +294,20 @@ class GraphDecoder:
         batch = min(_bucket(len(requests), 1), self.buffers.max_batch)
         if not self.use_graphs:
             return self._run(batch, context)[: len(requests)]
+        return self._replay(batch, context)[: len(requests)]
+
+    # CUDA only (CI has no GPU): bench/gpu_equivalence.py checks graph decode against the
+    # reference on the H200, bench/decode_context.py times it (docs/benchmarks.md).
+
+    def _replay(self, batch: int, context: int) -> torch.Tensor:  # pragma: no cover
         key = (batch, context)
         if key not in self._graphs:
             self._graphs[key] = self._capture(batch, context)
         graph, out = self._graphs[key]
         graph.replay()
-        return out[: len(requests)]
+        return out
 
-    def _capture(self, batch: int, context: int):
+    def _capture(self, batch: int, context: int):  # pragma: no cover
         # Warm up on a side stream (allocator pools, lazy inits), then capture. Warm-up and
         # capture write only sentinel rows: padding rows are invalid. The live rows are
         # rewritten identically by the replay that follows.

@@ -146,3 +146,36 @@ def test_bad_hisparse_configurations() -> None:
             chunk_tokens=8,
             hisparse_pages=8,
         )
+
+
+def test_inflight_backups_fill_the_mirror_when_completed() -> None:
+    """The copy bookkeeping of the CUDA path, driven by hand on the CPU: a staged backup fills
+    the mirror only when completed (poll / drain), and a page pinned by an in-flight copy is
+    released only after draining it (begin_step of a reused page)."""
+    from adapters.offload import _Inflight
+
+    cc = MODEL.cache_config(page_size=16, full_capacity=16 * 8, swa_capacity=16 * 8)
+    off = C4Offload(MODEL, cc, torch.device("cpu"), torch.float64, device_pages=3)
+    layer, j = off.layers[0], 0
+    plans = []
+    for page in (0, 1):
+        plan = off.coordinator.plan_step(j, np.zeros(0, np.int64), np.array([page]), [True])
+        off.coordinator.complete(plan.swap_in.ticket)
+        plans.append(plan)
+    staged = [
+        torch.full((1, off.spp, MODEL.head_dim), float(k + 1), dtype=torch.float64)
+        for k in range(2)
+    ]
+    for k, plan in enumerate(plans):
+        off._inflight.append(_Inflight(plan.backup.ticket, None, layer, np.array([k]), staged[k]))
+    off.poll()  # events of None have "fired"
+    assert off._inflight == [] and off.coordinator.pending_tickets == ()
+    assert torch.equal(off.host[layer][:2], torch.cat(staged))
+    plan = off.coordinator.plan_step(j, np.zeros(0, np.int64), np.array([0]), [False])
+    off.coordinator.complete(plan.swap_in.ticket)
+    off._inflight.append(_Inflight(plan.backup.ticket, None, layer, np.array([0]), staged[1]))
+    off.begin_step(np.array([0], dtype=np.int64))  # page 0 reused: pinned, so drain first
+    assert off._inflight == [] and not off.coordinator.resident(j, [0]).any()
+    device_bytes, host_bytes = off.nbytes()
+    assert device_bytes == 2 * 4 * off.spp * MODEL.head_dim * 8  # 2 C4 layers x (3 + sentinel)
+    assert host_bytes == 2 * cc.max_full_pages * off.spp * MODEL.head_dim * 8
