@@ -423,11 +423,38 @@ def check_compress_gathered(comp, _topk):
             ring, rows.int(), ratio, overlap, pad=pad.to(torch.uint8), block_g=2, **kw
         )
         _close(got, want)
+    # rows over two warps and a loop of four chunks (the decode layout of C128, scaled down)
+    ring, rows, pad, group, want = _ring_case(16, False, 3, 16, 7)
+    for knobs in (dict(row_warps=2, rows_chunk=2), {}):
+        _close(comp.flash_compress_gathered(ring, rows, 16, False, pad=pad, **knobs), want)
     # the bias added in the kernel; no padding (all groups complete)
     ring, rows, pad, group, _ = _ring_case(4, False, 3, 16, 9)
     ape = torch.randn(4, 16)
     want = ref.compress_gathered_reference(ring, rows, 4, False, ape=ape, out_dtype=torch.float32)
     _close(comp.flash_compress_gathered(ring, rows, 4, False, ape=ape), want)
+
+
+def check_launch_config(comp, _topk):
+    """The default launch shapes: the threads of a program cover its (entries x channels) plane
+    exactly, 16 bytes each (the row axis stays in registers); whole rows of 512 channels; decode
+    (few entries, many rows) spreads rows over extra warps; C4 is straight-line code."""
+    cfg = comp.launch_config
+    c4 = cfg(4, True, 512, 2, False, 1 << 18, False)
+    assert c4 == dict(RT=4, RW=1, BLOCK_G=2, BLOCK_D=512, UNROLL=True, num_warps=4)
+    c128 = cfg(128, False, 512, 2, False, 1 << 13, False)
+    assert c128["RW"] == 1 and not c128["UNROLL"] and c128["BLOCK_D"] == 512
+    for ratio, overlap, n in ((4, True, 32), (128, False, 32), (128, False, 128)):
+        dec = cfg(ratio, overlap, 512, 4, True, n, True)  # fp32 ring, epilogue
+        plane = dec["BLOCK_G"] * dec["BLOCK_D"] // (32 * 4)
+        assert dec["BLOCK_D"] == 512 and dec["RW"] > 1 and dec["num_warps"] == plane * dec["RW"]
+        assert dec["num_warps"] <= 16 and (2 * ratio if overlap else ratio) % (4 * dec["RW"]) == 0
+    assert cfg(4, False, 56, 4, True, 10, False)["BLOCK_D"] == 64  # whole entries, padded
+    for bad in (dict(block_d=256), dict(rows_chunk=3), dict(row_warps=3)):
+        try:
+            cfg(4, True, 512, 2, True, 100, False, **bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"expected ValueError for {bad}")
 
 
 def check_compress_errors(comp, _topk):
@@ -528,14 +555,32 @@ def check_topk_lengths(_comp, topk_mod):
         raise AssertionError("expected ValueError")
 
 
+def check_topk_tail(_comp, topk_mod):
+    """The last CTA's finish on long candidate lists (more than one 1024-chunk): a dense 16-bit
+    bin refined over several chunks, threshold ties with larger entries far behind them, every
+    selected entry in the last CTA's range; and a reused workspace left zeroed throughout."""
+    g = torch.Generator().manual_seed(23)
+    n = 1400
+    dense = 1.0 + torch.rand(1, n, generator=g) * 2**-8  # one 16-bit bin, distinct keys
+    ties = torch.full((1, n), 5.0)
+    ties[0, -40:] = 7.0  # T = 5.0: its lowest-index ties, then the 7.0s at the end
+    ascending = torch.arange(n, dtype=torch.float32)[None]
+    ws = topk_mod.topk_workspace(1, "cpu")
+    for x, k in ((dense, 100), (ties, 300), (ascending, 200)):
+        _same_topk(topk_mod, x, k, block=256, workspace=ws)
+        assert not ws.any()
+
+
 INTERP_CHECKS = [
     "check_compress_prefill",
     "check_compress_epilogue",
     "check_compress_gathered",
     "check_compress_errors",
+    "check_launch_config",
     "check_topk_random",
     "check_topk_ties",
     "check_topk_lengths",
+    "check_topk_tail",
 ]
 
 

@@ -4,16 +4,25 @@
 Maths and conventions: `adapters.kernels.reference` (``compress_reference`` for the prefill path,
 ``compress_gathered_reference`` for the decode path). Design, for bandwidth:
 
-* one program per (block of ``BLOCK_G`` groups, block of ``BLOCK_D`` channels); every input byte
-  is read once: with the C4 overlap a token row's first half feeds entry ``g+1`` and its second
-  half entry ``g``, so the program of entry ``g`` reads group ``g``'s second halves and group
-  ``g-1``'s first halves;
-* tiles ``(BLOCK_G, RC, BLOCK_D)`` (``RC`` rows of each group at a time), contiguous along the
-  channels (vector loads), cast to fp32 right after loading;
-* an online softmax over the group axis in registers (running max, sum, weighted sum), base 2;
-  nothing intermediate goes to HBM;
-* optional epilogue (``norm`` given): the program holds whole entries (no channel split) and
-  applies RMSNorm and RoPE before the single store.
+* An entry pools ``NV`` "virtual rows": the group's ``ratio`` token rows, or with the C4 overlap
+  ``2*ratio`` rows (group ``g-1``'s rows on their first ``d`` channels, then group ``g``'s rows on
+  their last ``d`` channels). Virtual row ``v`` of entry ``g`` is token row ``g*ratio + v``
+  (``- ratio`` with overlap) at channel offset ``d`` when ``v >= ratio``: one affine formula, so
+  every input byte is read exactly once, with coalesced, vectorised loads.
+* One program per (block of ``BLOCK_G`` entries, block of ``BLOCK_D`` channels); by default
+  ``BLOCK_D`` covers the whole entry (contiguous 1 KB row runs for 512 bf16 channels) and the
+  threads of the program cover the ``(BLOCK_G, BLOCK_D)`` plane exactly, 16 bytes each.
+* Rows are streamed in chunks, a tile ``(BLOCK_G, RW, RT, BLOCK_D)``: the ``RT`` axis is held by
+  every thread (the chunk's max and sums over it are in-register reductions), the ``RW`` axis
+  spreads rows over extra warps (the decode layout, few entries with many rows each). Inside the
+  loop everything is elementwise, in the load's own layout: no shared memory, no barriers, no
+  shuffles (the old 3-D tiles paid ~70 barriers and ~300 shared-memory transfers per program in
+  layout conversions; that, not bandwidth, made C4-overlap and C128 slow). An online softmax in
+  base 2 (running max, sum and weighted sum, rescaled once per chunk) keeps nothing
+  intermediate in HBM; fp32 accumulation whatever the input dtype.
+* ``RW`` partial states are merged once at the end (a cross-warp reduction per program).
+* Optional epilogue (``norm`` given): the program then holds whole entries; RMSNorm is a row
+  reduction, RoPE takes each tail channel's partner with ``tl.gather``; one store.
 
 Importing this module imports Triton and defines the kernels; `adapters.kernels` imports it only
 when a CUDA tensor (or a test under ``TRITON_INTERPRET=1``) needs it.
@@ -27,89 +36,109 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["flash_compress", "flash_compress_gathered"]
+try:
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - older Triton
+    from triton.language.extra.cuda import libdevice
+
+__all__ = ["flash_compress", "flash_compress_gathered", "launch_config"]
+
+_LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _cos_sin(x):
+def _cos_sin(x, FAST: tl.constexpr):
     # cos/sin of fp32 angles up to ~1e6 rad: Cody-Waite reduction by 2*pi split in two fp32
-    # parts (fp32(2*pi) = 2*pi + 1.7484555e-7), then cos/sin on [-pi, pi].
+    # parts (fp32(2*pi) = 2*pi + 1.7484555e-7), then cos/sin on [-pi, pi]: on the GPU with the
+    # hardware approximations (abs error ~1e-6 there; every channel of the tile pays for them),
+    # under the interpreter (no libdevice) with tl.cos/tl.sin.
     n = tl.floor(x * 0.15915494309189535 + 0.5)
     r = tl.fma(n, -6.2831854820251465, x)
     r = tl.fma(n, 1.7484555314695172e-07, r)
+    if FAST:
+        return libdevice.fast_cosf(r), libdevice.fast_sinf(r)
     return tl.cos(r), tl.sin(r)
 
 
 @triton.jit
-def _rows(
-    g,
-    g_ok,
-    c,
-    rows_ptr,
-    pad_ptr,
-    stride_r,
-    BASE: tl.constexpr,
-    PREV: tl.constexpr,
-    RATIO: tl.constexpr,
-    RC: tl.constexpr,
-    GATHER: tl.constexpr,
-    HAS_PAD: tl.constexpr,
-):
-    """Row indices (BLOCK_G, RC) of rows ``c .. c+RC`` of each group, and which are real."""
-    i = c + tl.arange(0, RC)
-    if GATHER:
-        off = g.to(tl.int64)[:, None] * stride_r + BASE + i[None, :]
-        ok = g_ok[:, None] & (i[None, :] < RATIO)
-        row = tl.load(rows_ptr + off, mask=ok, other=0).to(tl.int64)
-        if HAS_PAD:
-            p = tl.load(pad_ptr + off, mask=ok, other=1)
-            ok = ok & (p == 0)
-    else:
-        row = g.to(tl.int64)[:, None] * RATIO + i[None, :]
-        if PREV:
-            row = row - RATIO
-        ok = g_ok[:, None] & (row >= 0)
-    return row, ok
-
-
-@triton.jit
-def _accumulate(
-    m,
-    lsum,
-    acc,
+def _load_chunk(
+    c0,
     kv_ptr,
     sc_ptr,
     ape_ptr,
-    row,
-    ok,
-    ape_row,
+    rows_ptr,
+    pad_ptr,
+    g,
+    g_ok,
     cols,
     col_ok,
     stride_kv,
     stride_sc,
     stride_ape,
+    stride_r,
+    DIM: tl.constexpr,
+    RATIO: tl.constexpr,
+    NV: tl.constexpr,
+    RT: tl.constexpr,
+    RW: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    GATHER: tl.constexpr,
     HAS_APE: tl.constexpr,
+    HAS_PAD: tl.constexpr,
 ):
-    """One online-softmax step over the rows ``row`` (BLOCK_G, RC) on channels ``cols``."""
-    msk = ok[:, :, None] & col_ok[None, None, :]
-    kv = tl.load(kv_ptr + row[:, :, None] * stride_kv + cols[None, None, :], mask=msk, other=0.0)
-    s = tl.load(
-        sc_ptr + row[:, :, None] * stride_sc + cols[None, None, :], mask=msk, other=float("-inf")
-    )
+    """Virtual rows ``c0 .. c0 + RW*RT`` of the entries ``g``, as loaded (input dtype):
+    ``kv``, ``score`` (-inf on padding) and the bias (0 without one).
+
+    Tiles are ``(BLOCK_G, RW, RT, BLOCK_D)``: ``g``/``g_ok`` ``(BG, 1, 1, 1)``, ``cols``/``col_ok``
+    ``(1, 1, 1, BD)``. The axis order matters: Triton gives the channel axis the lanes, then the
+    entry axis, then ``RW`` the remaining warps, and leaves ``RT`` (last among equals) inside
+    each thread, so the reductions over it need no communication."""
+    v = (
+        c0 + tl.arange(0, RW)[None, :, None, None] * RT + tl.arange(0, RT)[None, None, :, None]
+    )  # (1, RW, RT, 1) virtual rows
+    v_ok = v < NV
+    if OVERLAP:
+        second = v >= RATIO
+        ch = cols + tl.where(second, DIM, 0)  # (1, RW, RT, BD) input channels
+        ape_r = v - tl.where(second, RATIO, 0)
+    else:
+        ch = cols
+        ape_r = v
+    if GATHER:
+        off = g.to(tl.int64) * stride_r + v  # (BG, RW, RT, 1)
+        ok = g_ok & v_ok
+        row = tl.load(rows_ptr + off, mask=ok, other=0).to(tl.int64)
+        if HAS_PAD:
+            ok = ok & (tl.load(pad_ptr + off, mask=ok, other=1) == 0)
+    else:
+        row = g.to(tl.int64) * RATIO + v
+        if OVERLAP:
+            row = row - RATIO  # group -1 is padding
+        ok = g_ok & v_ok & (row >= 0)
+    msk = ok & col_ok
+    kv = tl.load(kv_ptr + row * stride_kv + ch, mask=msk, other=0.0)
+    s = tl.load(sc_ptr + row * stride_sc + ch, mask=msk, other=float("-inf"))
+    if HAS_APE:
+        a = tl.load(ape_ptr + ape_r * stride_ape + ch + g * 0, mask=msk, other=0.0)
+    else:
+        a = tl.zeros_like(s)
+    return kv, s, a
+
+
+@triton.jit
+def _update(m, lsum, acc, kv, s, a, HAS_APE: tl.constexpr):
+    """One online-softmax step over a loaded chunk; the state is ``(BG, RW, 1, BD)``."""
     kv = kv.to(tl.float32)
     s = s.to(tl.float32)
     if HAS_APE:
-        a = tl.load(
-            ape_ptr + ape_row[:, None] * stride_ape + cols[None, :], mask=col_ok[None, :], other=0.0
-        )
-        s = s + a.to(tl.float32)[None, :, :]
+        s = s + a.to(tl.float32)
     s = s * 1.4426950408889634  # log2(e): softmax in base 2
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-padding so far: no NaN
+    m_new = tl.maximum(m, tl.max(s, axis=2, keep_dims=True))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing real yet: no NaN
     alpha = tl.exp2(m - m_use)
-    p = tl.exp2(s - m_use[:, None, :])
-    lsum = lsum * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha + tl.sum(p * kv, axis=1)
+    p = tl.exp2(s - m_use)
+    lsum = lsum * alpha + tl.sum(p, axis=2, keep_dims=True)
+    acc = acc * alpha + tl.sum(p * kv, axis=2, keep_dims=True)
     return m_new, lsum, acc
 
 
@@ -130,85 +159,53 @@ def _pool(
     stride_r,
     DIM: tl.constexpr,
     RATIO: tl.constexpr,
-    RC: tl.constexpr,
+    RT: tl.constexpr,
+    RW: tl.constexpr,
     BLOCK_G: tl.constexpr,
-    BC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     OVERLAP: tl.constexpr,
     GATHER: tl.constexpr,
     HAS_APE: tl.constexpr,
     HAS_PAD: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
-    """Pooled entries (BLOCK_G, BC) in fp32 on entry channels ``cols``."""
-    m = tl.full((BLOCK_G, BC), float("-inf"), tl.float32)
-    lsum = tl.zeros((BLOCK_G, BC), tl.float32)
-    acc = tl.zeros((BLOCK_G, BC), tl.float32)
-    for c in tl.static_range(0, RATIO, RC):
-        ape_row = c + tl.arange(0, RC)
-        if OVERLAP:
-            # this group's rows on the second-half channels ...
-            row, ok = _rows(
-                g, g_ok, c, rows_ptr, pad_ptr, stride_r, RATIO, False, RATIO, RC, GATHER, HAS_PAD
-            )
-            m, lsum, acc = _accumulate(
-                m,
-                lsum,
-                acc,
-                kv_ptr,
-                sc_ptr,
-                ape_ptr,
-                row,
-                ok,
-                ape_row,
-                cols + DIM,
-                col_ok,
-                stride_kv,
-                stride_sc,
-                stride_ape,
-                HAS_APE,
-            )
-            # ... and the previous group's rows on the first-half channels
-            row, ok = _rows(
-                g, g_ok, c, rows_ptr, pad_ptr, stride_r, 0, True, RATIO, RC, GATHER, HAS_PAD
-            )
-            m, lsum, acc = _accumulate(
-                m,
-                lsum,
-                acc,
-                kv_ptr,
-                sc_ptr,
-                ape_ptr,
-                row,
-                ok,
-                ape_row,
-                cols,
-                col_ok,
-                stride_kv,
-                stride_sc,
-                stride_ape,
-                HAS_APE,
-            )
-        else:
-            row, ok = _rows(
-                g, g_ok, c, rows_ptr, pad_ptr, stride_r, 0, False, RATIO, RC, GATHER, HAS_PAD
-            )
-            m, lsum, acc = _accumulate(
-                m,
-                lsum,
-                acc,
-                kv_ptr,
-                sc_ptr,
-                ape_ptr,
-                row,
-                ok,
-                ape_row,
-                cols,
-                col_ok,
-                stride_kv,
-                stride_sc,
-                stride_ape,
-                HAS_APE,
-            )
-    return acc / lsum
+    """Pooled entries ``(BLOCK_G, 1, 1, BLOCK_D)``, fp32, on channels ``cols`` (NaN where
+    masked)."""
+    NV: tl.constexpr = RATIO * 2 if OVERLAP else RATIO
+    CH: tl.constexpr = RT * RW
+    m = tl.full((BLOCK_G, RW, 1, BLOCK_D), float("-inf"), tl.float32)
+    lsum = tl.zeros((BLOCK_G, RW, 1, BLOCK_D), tl.float32)
+    acc = tl.zeros((BLOCK_G, RW, 1, BLOCK_D), tl.float32)
+    if UNROLL:  # straight-line code: the compiler issues the chunks' loads early by itself
+        for c0 in tl.static_range(0, NV, CH):
+            kv, s, a = _load_chunk(
+                c0, kv_ptr, sc_ptr, ape_ptr, rows_ptr, pad_ptr, g, g_ok, cols, col_ok,
+                stride_kv, stride_sc, stride_ape, stride_r, DIM, RATIO, NV, RT, RW, OVERLAP,
+                GATHER, HAS_APE, HAS_PAD,
+            )  # fmt: skip
+            m, lsum, acc = _update(m, lsum, acc, kv, s, a, HAS_APE)
+    else:  # a loop, software-pipelined by hand: the next chunk's loads fly during this update
+        kv, s, a = _load_chunk(
+            0, kv_ptr, sc_ptr, ape_ptr, rows_ptr, pad_ptr, g, g_ok, cols, col_ok, stride_kv,
+            stride_sc, stride_ape, stride_r, DIM, RATIO, NV, RT, RW, OVERLAP, GATHER, HAS_APE,
+            HAS_PAD,
+        )  # fmt: skip
+        for c0 in range(0, NV, CH):
+            # (past the last chunk every lane is masked: no traffic)
+            kv_n, s_n, a_n = _load_chunk(
+                c0 + CH, kv_ptr, sc_ptr, ape_ptr, rows_ptr, pad_ptr, g, g_ok, cols, col_ok,
+                stride_kv, stride_sc, stride_ape, stride_r, DIM, RATIO, NV, RT, RW, OVERLAP,
+                GATHER, HAS_APE, HAS_PAD,
+            )  # fmt: skip
+            m, lsum, acc = _update(m, lsum, acc, kv, s, a, HAS_APE)
+            kv, s, a = kv_n, s_n, a_n
+    if RW == 1:
+        return acc / lsum
+    # merge the RW partial states (once per program)
+    mt = tl.max(m, axis=1, keep_dims=True)
+    mt = tl.where(mt == float("-inf"), 0.0, mt)
+    w = tl.exp2(m - mt)
+    return tl.sum(acc * w, axis=1, keep_dims=True) / tl.sum(lsum * w, axis=1, keep_dims=True)
 
 
 @triton.jit
@@ -232,7 +229,8 @@ def _compress_kernel(
     eps,
     DIM: tl.constexpr,
     RATIO: tl.constexpr,
-    RC: tl.constexpr,
+    RT: tl.constexpr,
+    RW: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     OVERLAP: tl.constexpr,
@@ -240,147 +238,63 @@ def _compress_kernel(
     HAS_APE: tl.constexpr,
     HAS_PAD: tl.constexpr,
     EPILOGUE: tl.constexpr,
-    NOPE_BLOCK: tl.constexpr,
     HALF: tl.constexpr,
+    UNROLL: tl.constexpr,
+    FAST_TRIG: tl.constexpr,
 ):
-    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    # every tensor is 4-D (entry, row warp, row, channel), size 1 where unused: one layout
+    g = (tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G))[:, None, None, None]
+    cols = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D))[None, None, None, :]
     g_ok = g < G
-    out_row = out_ptr + g.to(tl.int64)[:, None] * stride_out
-    if EPILOGUE:
-        # whole entries: the no-RoPE channels, then the two halves of the RoPE tail
-        cn = tl.arange(0, NOPE_BLOCK)
-        cn_ok = cn < DIM - 2 * HALF
-        xn = _pool(
-            kv_ptr,
-            sc_ptr,
-            ape_ptr,
-            rows_ptr,
-            pad_ptr,
-            g,
-            g_ok,
-            cn,
-            cn_ok,
-            stride_kv,
-            stride_sc,
-            stride_ape,
-            stride_r,
-            DIM,
-            RATIO,
-            RC,
-            BLOCK_G,
-            NOPE_BLOCK,
-            OVERLAP,
-            GATHER,
-            HAS_APE,
-            HAS_PAD,
-        )
-        xn = tl.where(cn_ok[None, :], xn, 0.0)
-        ss = tl.sum(xn * xn, axis=1)
+    c_ok = cols < DIM
+    x = _pool(
+        kv_ptr,
+        sc_ptr,
+        ape_ptr,
+        rows_ptr,
+        pad_ptr,
+        g,
+        g_ok,
+        cols,
+        c_ok,
+        stride_kv,
+        stride_sc,
+        stride_ape,
+        stride_r,
+        DIM,
+        RATIO,
+        RT,
+        RW,
+        BLOCK_G,
+        BLOCK_D,
+        OVERLAP,
+        GATHER,
+        HAS_APE,
+        HAS_PAD,
+        UNROLL,
+    )
+    if EPILOGUE:  # BLOCK_D covers the entry: RMSNorm, then RoPE on the last 2*HALF channels
+        x = tl.where(c_ok, x, 0.0)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=3, keep_dims=True) / DIM + eps)
+        w = tl.load(norm_ptr + cols + g * 0, mask=c_ok, other=0.0).to(tl.float32)
+        x = x * rstd * w
         if HALF > 0:
-            ca = DIM - 2 * HALF + tl.arange(0, HALF)
-            cb = ca + HALF
-            c_ok = ca < DIM
-            xa = _pool(
-                kv_ptr,
-                sc_ptr,
-                ape_ptr,
-                rows_ptr,
-                pad_ptr,
-                g,
-                g_ok,
-                ca,
-                c_ok,
-                stride_kv,
-                stride_sc,
-                stride_ape,
-                stride_r,
-                DIM,
-                RATIO,
-                RC,
-                BLOCK_G,
-                HALF,
-                OVERLAP,
-                GATHER,
-                HAS_APE,
-                HAS_PAD,
-            )
-            xb = _pool(
-                kv_ptr,
-                sc_ptr,
-                ape_ptr,
-                rows_ptr,
-                pad_ptr,
-                g,
-                g_ok,
-                cb,
-                c_ok,
-                stride_kv,
-                stride_sc,
-                stride_ape,
-                stride_r,
-                DIM,
-                RATIO,
-                RC,
-                BLOCK_G,
-                HALF,
-                OVERLAP,
-                GATHER,
-                HAS_APE,
-                HAS_PAD,
-            )
-            ss += tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1)
-        rstd = tl.rsqrt(ss / DIM + eps)[:, None]
-        wn = tl.load(norm_ptr + cn, mask=cn_ok, other=0.0).to(tl.float32)
-        yn = xn * rstd * wn[None, :]
-        st_ok = g_ok[:, None] & cn_ok[None, :]
-        tl.store(out_row + cn[None, :], yn.to(out_ptr.dtype.element_ty), mask=st_ok)
-        if HALF > 0:
-            ya = xa * rstd * tl.load(norm_ptr + ca).to(tl.float32)[None, :]
-            yb = xb * rstd * tl.load(norm_ptr + cb).to(tl.float32)[None, :]
+            cc = cols + g * 0  # (BG, 1, 1, BD)
+            j = cc - (DIM - 2 * HALF)  # position in the RoPE tail
+            in_a = (j >= 0) & (j < HALF)
+            in_b = (j >= HALF) & (cc < DIM)
+            partner = tl.where(in_a, cc + HALF, tl.where(in_b, cc - HALF, cc))
+            xp = tl.gather(x, partner, axis=3)
+            jj = tl.where(in_b, j - HALF, j)
+            freq = tl.load(freq_ptr + jj, mask=in_a | in_b, other=0.0)
             if GATHER:
                 grp = tl.load(grp_ptr + g, mask=g_ok, other=0)
             else:
                 grp = g + group_offset
-            pos = (grp * RATIO).to(tl.float32)
-            freq = tl.load(freq_ptr + tl.arange(0, HALF))
-            cos, sin = _cos_sin(pos[:, None] * freq[None, :])
-            st_ok = g_ok[:, None] & c_ok[None, :]
-            ra = ya * cos - yb * sin
-            rb = ya * sin + yb * cos
-            tl.store(out_row + ca[None, :], ra.to(out_ptr.dtype.element_ty), mask=st_ok)
-            tl.store(out_row + cb[None, :], rb.to(out_ptr.dtype.element_ty), mask=st_ok)
-    else:
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        col_ok = cols < DIM
-        x = _pool(
-            kv_ptr,
-            sc_ptr,
-            ape_ptr,
-            rows_ptr,
-            pad_ptr,
-            g,
-            g_ok,
-            cols,
-            col_ok,
-            stride_kv,
-            stride_sc,
-            stride_ape,
-            stride_r,
-            DIM,
-            RATIO,
-            RC,
-            BLOCK_G,
-            BLOCK_D,
-            OVERLAP,
-            GATHER,
-            HAS_APE,
-            HAS_PAD,
-        )
-        tl.store(
-            out_row + cols[None, :],
-            x.to(out_ptr.dtype.element_ty),
-            mask=g_ok[:, None] & col_ok[None, :],
-        )
+            cos, sin = _cos_sin((grp * RATIO).to(tl.float32) * freq, FAST_TRIG)
+            x = tl.where(in_a, x * cos - xp * sin, tl.where(in_b, xp * sin + x * cos, x))
+    out = out_ptr + g.to(tl.int64) * stride_out + cols
+    tl.store(out, x.to(out_ptr.dtype.element_ty), mask=g_ok & c_ok)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -396,31 +310,56 @@ def _freqs(theta: float, half: int, device: str) -> torch.Tensor:
     return theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
 
 
-def _config(
+def launch_config(
     ratio: int,
     overlap: bool,
     dim: int,
+    elem_bytes: int,
     epilogue: bool,
-    n_groups: int,
-    block_g,
-    block_d,
-    rows_chunk,
-    num_warps,
-):
-    """Launch shape: rows per chunk, groups and channels per program, warps (overridable)."""
-    rc = rows_chunk or _pow2_divisor(ratio, 4 if ratio <= 8 else 16)
-    if ratio % rc or rc & (rc - 1):
-        raise ValueError(f"rows_chunk {rc} must be a power of two dividing ratio {ratio}")
+    n_entries: int,
+    gather: bool,
+    *,
+    block_g: int | None = None,
+    block_d: int | None = None,
+    rows_chunk: int | None = None,
+    row_warps: int | None = None,
+    num_warps: int | None = None,
+) -> dict:
+    """Launch shape (every knob overridable): ``RT`` rows per thread per chunk, ``RW`` warps'
+    worth of extra rows per chunk, ``BLOCK_G`` entries and ``BLOCK_D`` channels per program,
+    warps. By default the program's ``BLOCK_G*BLOCK_D`` plane is covered exactly by its threads,
+    16 bytes each, so the ``RT`` axis stays in registers."""
+    nv = 2 * ratio if overlap else ratio
+    vec = max(1, 16 // elem_bytes)
     if epilogue:
-        bd = 0
-        bg = block_g or 1
-        warps = num_warps or (4 if ratio <= 8 else 8)
+        bd = triton.next_power_of_2(dim)
+        if block_d is not None and block_d != bd:
+            raise ValueError(f"the epilogue needs whole entries: block_d must be {bd}")
     else:
-        bd = block_d or min(128, triton.next_power_of_2(dim))
-        bg = block_g or (1 if ratio > 8 else 4 if overlap else 8)  # ~2K elements per tile
-        warps = num_warps or 4
-    bg = max(1, min(bg, triton.next_power_of_2(max(n_groups, 1))))
-    return rc, bg, bd, warps
+        bd = block_d or min(triton.next_power_of_2(dim), max(512, 64 * vec))
+    if bd & (bd - 1):
+        raise ValueError(f"block_d {bd} must be a power of two")
+    n_pow = triton.next_power_of_2(max(n_entries, 1))
+    # entries per program: enough to give 4 warps 16 bytes each, at most the entries there are
+    bg = block_g or max(1, min(128 * vec // bd, 64))
+    bg = max(1, min(bg, n_pow))
+    rt = rows_chunk or _pow2_divisor(ratio, 4)
+    if ratio % rt or rt & (rt - 1):
+        raise ValueError(f"rows_chunk {rt} must be a power of two dividing ratio {ratio}")
+    plane_warps = max(1, bg * bd // (32 * vec))
+    if row_warps is None:
+        # few programs (decode): spread each entry's rows over more warps, up to 16 warps
+        programs = triton.cdiv(n_entries, bg) * triton.cdiv(dim, bd)
+        rw = 1
+        while programs * rw < 1024 and rt * rw * 2 <= nv and plane_warps * rw * 2 <= 16:
+            rw *= 2
+    else:
+        rw = row_warps
+    if rw & (rw - 1) or nv % (rt * rw):
+        raise ValueError(f"row_warps {rw} x rows_chunk {rt} must divide the {nv} rows per entry")
+    warps = num_warps or min(32, plane_warps * rw)
+    unroll = nv // (rt * rw) <= 2  # C4: straight-line code; C128: a loop
+    return dict(RT=rt, RW=rw, BLOCK_G=bg, BLOCK_D=bd, UNROLL=unroll, num_warps=warps)
 
 
 def _launch(
@@ -444,28 +383,19 @@ def _launch(
     theta,
     eps,
     group_offset,
-    block_g,
-    block_d,
-    rows_chunk,
-    num_warps,
+    knobs,
 ):
     epilogue = norm is not None
-    rc, bg, bd, warps = _config(
-        ratio, overlap, dim, epilogue, n_groups, block_g, block_d, rows_chunk, num_warps
-    )
-    if n_groups == 0:
-        return out
+    cfg = launch_config(ratio, overlap, dim, kv.element_size(), epilogue, n_groups, gather, **knobs)
     half = rope_dim // 2 if epilogue else 0
     if epilogue:
         if rope_dim % 2 or rope_dim > dim or (half & (half - 1)):
             raise ValueError(f"rope_dim {rope_dim} must be twice a power of two, at most {dim}")
         if norm.shape != (dim,):
             raise ValueError(f"norm must be ({dim},)")
-        nope_block = max(16, triton.next_power_of_2(dim - rope_dim))
-        grid = (triton.cdiv(n_groups, bg),)
-    else:
-        nope_block = 16
-        grid = (triton.cdiv(n_groups, bg), triton.cdiv(dim, bd))
+    if n_groups == 0:
+        return out
+    grid = (triton.cdiv(n_groups, cfg["BLOCK_G"]), triton.cdiv(dim, cfg["BLOCK_D"]))
     freq = _freqs(float(theta), half, str(kv.device)) if half else out
     dummy = out
     _compress_kernel[grid](
@@ -488,17 +418,14 @@ def _launch(
         eps,
         DIM=dim,
         RATIO=ratio,
-        RC=rc,
-        BLOCK_G=bg,
-        BLOCK_D=max(bd, 16),
         OVERLAP=overlap,
         GATHER=gather,
         HAS_APE=ape is not None,
         HAS_PAD=pad is not None,
         EPILOGUE=epilogue,
-        NOPE_BLOCK=nope_block,
         HALF=half,
-        num_warps=warps,
+        FAST_TRIG=kv.device.type == "cuda",
+        **cfg,
     )
     return out
 
@@ -524,6 +451,7 @@ def flash_compress(
     block_g: int | None = None,
     block_d: int | None = None,
     rows_chunk: int | None = None,
+    row_warps: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """Entries ``(T // ratio, d)`` of contiguous token rows ``kv``/``score`` ``(T, c*d)`` (the
@@ -532,7 +460,7 @@ def flash_compress(
     channels at position ``(group_offset + g) * ratio``). Same maths as
     `reference.compress_reference`; fp32 accumulation; output in ``out_dtype`` (default
     ``kv.dtype``) or written into ``out`` ``(G, d)``. The ``block_*``/``rows_chunk``/
-    ``num_warps`` knobs override the launch heuristics (benchmark sweeps)."""
+    ``row_warps``/``num_warps`` knobs override `launch_config` (benchmark sweeps)."""
     if kv.dim() != 2 or score.shape != kv.shape:
         raise ValueError(f"kv {tuple(kv.shape)} and score {tuple(score.shape)} must be (T, c*d)")
     c = 2 if overlap else 1
@@ -547,6 +475,13 @@ def flash_compress(
     n_groups = t // ratio
     if out is None:
         out = torch.empty((n_groups, dim), dtype=out_dtype or kv.dtype, device=kv.device)
+    knobs = dict(
+        block_g=block_g,
+        block_d=block_d,
+        rows_chunk=rows_chunk,
+        row_warps=row_warps,
+        num_warps=num_warps,
+    )
     return _launch(
         kv,
         score,
@@ -568,10 +503,7 @@ def flash_compress(
         theta,
         eps,
         group_offset,
-        block_g,
-        block_d,
-        rows_chunk,
-        num_warps,
+        knobs,
     )
 
 
@@ -593,6 +525,7 @@ def flash_compress_gathered(
     block_g: int | None = None,
     block_d: int | None = None,
     rows_chunk: int | None = None,
+    row_warps: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """Entries ``(B, d)``, one group per request, rows gathered from ``ring`` ``(N, 2*c*d)``
@@ -621,6 +554,13 @@ def flash_compress_gathered(
     b = rows.shape[0]
     if out is None:
         out = torch.empty((b, dim), dtype=out_dtype or ring.dtype, device=ring.device)
+    knobs = dict(
+        block_g=block_g,
+        block_d=block_d,
+        rows_chunk=rows_chunk,
+        row_warps=row_warps,
+        num_warps=num_warps,
+    )
     return _launch(
         ring,
         ring[:, width:],
@@ -642,8 +582,5 @@ def flash_compress_gathered(
         theta,
         eps,
         0,
-        block_g,
-        block_d,
-        rows_chunk,
-        num_warps,
+        knobs,
     )
