@@ -21,7 +21,7 @@ import torch
 from shadowradix import CacheConfig
 from shadowradix.request import Request
 
-from . import ops
+from . import kernels, ops
 from .model import LayerInput, compress_rows, forward
 from .pools import KVPools
 from .weights import ModelWeights
@@ -224,6 +224,9 @@ class GraphKeys:
 
     def _compress(self, layer, comp, sm: StreamMeta, ring, pool) -> None:
         rows = ops.compressor_rows(layer.x, comp, layer.positions).to(ring.dtype)  # (B, F)
+        if ring.is_cuda and ring.dtype == torch.float32 and kernels.TRITON_AVAILABLE:
+            self._compress_fused(layer, comp, sm, ring, pool, rows)  # pragma: no cover
+            return
         carried = ring[sm.group_rows]  # (B, R, F), read before this step's store
         ring[sm.ring_new] = rows
         pad = torch.zeros_like(rows[0])
@@ -234,6 +237,22 @@ class GraphKeys:
             self.cfg, group_rows, layer.weights.ratio, sm.group, comp.norm, self.cfg.rope_dim
         )
         pool[sm.entry_slot] = ent.to(pool.dtype)
+
+    def _compress_fused(  # pragma: no cover - needs a GPU
+        self, layer, comp, sm: StreamMeta, ring, pool, rows: torch.Tensor
+    ) -> None:
+        """The Flash Compressor's decode path: one kernel gathers the group's ring rows, pools
+        them and applies RMSNorm + RoPE. One new token per request, so storing its row first
+        cannot overwrite a row its group still needs (ring_len > span)."""
+        ring[sm.ring_new] = rows
+        own = sm.ring_new[:, None].expand_as(sm.group_rows)
+        row_ids = torch.where(sm.group_src == 1, own, sm.group_rows)
+        ent = kernels.compress_gathered(
+            ring, row_ids, layer.weights.ratio, self.cfg.is_overlap(layer.weights.ratio),
+            pad=sm.group_src == 2, groups=sm.group, norm=comp.norm, rope_dim=self.cfg.rope_dim,
+            theta=self.cfg.rope_theta, eps=self.cfg.norm_eps, out_dtype=pool.dtype,
+        )  # fmt: skip
+        pool[sm.entry_slot] = ent
 
     def _select(self, layer: LayerInput, sm: StreamMeta):
         cfg, i = self.cfg, layer.index

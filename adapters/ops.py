@@ -137,6 +137,12 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     if scores.dtype == torch.float64:
         values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
         return values[..., :k], indices[..., :k]
+    if scores.is_cuda and scores.dim() == 2:  # pragma: no cover - needs a GPU
+        from . import kernels
+
+        if kernels.TRITON_AVAILABLE:  # Lightning TopK: same set, same order, one radix select
+            values, indices, _ = kernels.topk(scores.float().contiguous(), k, sorted=True)
+            return values, indices
     canonical = scores.float() + 0.0  # -0.0 becomes +0.0: equal scores, equal keys
     bits = canonical.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     ordered = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
