@@ -137,7 +137,7 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     if scores.dtype == torch.float64:
         values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
         return values[..., :k], indices[..., :k]
-    if scores.is_cuda and scores.dim() == 2:  # pragma: no cover - needs a GPU
+    if scores.is_cuda and scores.dim() == 2 and 0 < k:  # pragma: no cover - needs a GPU
         from . import kernels
 
         if kernels.TRITON_AVAILABLE:  # Lightning TopK: same set, same order, one radix select

@@ -68,10 +68,11 @@ def prefill_diff(model, weights, device, dtype, length: int, chunk: int, page: i
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtypes", default="float64,float32", help="comma-separated torch dtypes")
     args = ap.parse_args()
     failures = 0
     model = preset("tiny", **SMALL)
-    for dtype in (torch.float64, torch.float32):
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         weights = init_weights(model, args.device, dtype)
         for length, chunk, page in (
             (5, 3, 4),
