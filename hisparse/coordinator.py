@@ -10,7 +10,7 @@ from .config import HiSparseConfig
 from .errors import ConfigError, PinnedPageError, require
 from .inputs import StepInput, as_host_pages, as_layer, distinct
 from .layer import LayerState
-from .results import BufferStats, CopyKind, StepPlan
+from .results import BufferStats, StepPlan, new_plan
 from .tickets import TicketBook
 
 
@@ -28,6 +28,10 @@ class Coordinator:
         self.config = config
         self._layers = [LayerState(i, config) for i in range(config.num_layers)]
         self._tickets = TicketBook()
+        # hot-path copies of config fields (the config is frozen)
+        self._num_layers = config.num_layers
+        self._max_host_pages = config.max_host_pages
+        self._debug = config.debug
 
     def plan_step(
         self,
@@ -51,17 +55,21 @@ class Coordinator:
         write of a page holding no data, a fresh page that holds data) or `DeviceBufferFull`;
         all with nothing changed.
         """
-        index = as_layer(layer, self.config.num_layers)
-        step = StepInput.parse(reads, writes, fresh, self.config.max_host_pages)
+        if type(layer) is int and 0 <= layer < self._num_layers:
+            index = layer
+        else:
+            index = as_layer(layer, self._num_layers)
+        step = StepInput.parse(reads, writes, fresh, self._max_host_pages)
         state = self._layers[index]
-        placed = state.plan(step)
-        issue, clock = self._tickets.issue, state.clock
-        swap_in = issue(index, clock, CopyKind.SWAP_IN, placed.swap_pages, placed.swap_slots)
-        backup = issue(index, clock, CopyKind.BACKUP, placed.backup_pages, placed.backup_slots)
-        plan = StepPlan(
-            index, swap_in, placed.evicted_pages, placed.read_slots, placed.write_slots, backup
+        swap_pages, swap_slots, evicted, read_slots, write_slots, backup_pages, backup_slots = (
+            state.plan(step)
         )
-        self._debug_check()
+        swap_in, backup = self._tickets.issue_step(
+            index, state.clock, swap_pages, swap_slots, backup_pages, backup_slots
+        )
+        plan = new_plan(index, swap_in, evicted, read_slots, write_slots, backup)
+        if self._debug:
+            self.check_invariants()
         return plan
 
     def complete(self, ticket: int) -> None:
@@ -70,9 +78,13 @@ class Coordinator:
         Completions may come in any order. Raises `TicketError` for a ticket never issued or
         already completed (nothing changes).
         """
-        batch = self._tickets.redeem(ticket)
-        self._layers[batch.layer].finish(batch)
-        self._debug_check()
+        batch = self._tickets.by_ticket.pop(ticket, None) if type(ticket) is int else None
+        if batch is None:
+            batch = self._tickets.redeem(ticket)  # validates; raises `TicketError`
+        if len(batch.device_slots):  # an empty batch pinned nothing
+            self._layers[batch.layer].finish(batch)
+        if self._debug:
+            self.check_invariants()
 
     def release(self, host_pages: npt.ArrayLike) -> None:
         """The cache freed these virtual pages: in every layer, drop their device copy (freeing
@@ -144,7 +156,7 @@ class Coordinator:
         )
 
     def _debug_check(self) -> None:
-        if self.config.debug:
+        if self._debug:
             self.check_invariants()
 
 

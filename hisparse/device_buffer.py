@@ -1,10 +1,10 @@
 """One layer's device buffer as an index: which host page each slot holds, the free slots, the
 pins of in-flight copies and the LRU clock. The bytes live in the adapter's tensors.
 
-Page table and slot table are inverse arrays (``-1``: not resident / free; internal only)::
+Page table and slot table are inverse arrays (internal only)::
 
-    slot_of_page  [max_host_pages]   host page -> slot
-    page_of_slot  [device_slots]     slot -> host page
+    slot_of_page  [max_host_pages]   host page -> slot, or NOT_RESIDENT
+    page_of_slot  [device_slots]     slot -> host page, or -1 (free)
     pins          [device_slots]     pending copies using the slot: swap-ins + BACKUP * backups
     free[:num_free]                  free slots, a stack (pops slot 0 first when new)
 
@@ -24,12 +24,16 @@ from .lru import SlotLru
 #: weight of one pending backup in `DeviceBuffer.pins` (a pending swap-in weighs 1)
 BACKUP = 1 << 32
 
+#: `slot_of_page` of a page without a slot: negative, and out of bounds for every slot-indexed
+#: array, so that indexing one with it raises (`LayerState.plan` relies on that)
+NOT_RESIDENT = -(1 << 62)
+
 
 class DeviceBuffer:
     def __init__(self, num_slots: int, max_host_pages: int) -> None:
         self.num_slots = num_slots
         self.max_host_pages = max_host_pages
-        self.slot_of_page = np.full(max_host_pages, -1, np.int64)
+        self.slot_of_page = np.full(max_host_pages, NOT_RESIDENT, np.int64)
         self.page_of_slot = np.full(num_slots, -1, np.int64)
         self.pins = np.zeros(num_slots, np.int64)
         self.free = np.arange(num_slots - 1, -1, -1, dtype=np.int64)
@@ -53,46 +57,37 @@ class DeviceBuffer:
         self.num_free -= count
         return self.free[self.num_free : self.num_free + count][::-1].copy()
 
-    def place(self, pages: HostPageArray, slots: DeviceSlotArray) -> None:
-        """Map distinct non-resident ``pages`` to ``slots`` (free or just evicted)."""
+    def place(
+        self, pages: HostPageArray, slots: DeviceSlotArray, victims: DeviceSlotArray
+    ) -> HostPageArray:
+        """Map distinct non-resident ``pages`` to ``slots``: free slots and ``victims``, whose
+        pages are evicted (unmapped) first. Returns the evicted pages."""
+        evicted = self.page_of_slot.take(victims)
+        if len(evicted):
+            self.slot_of_page[evicted] = NOT_RESIDENT
         self.page_of_slot[slots] = pages
         self.slot_of_page[pages] = slots
-
-    def evict(self, slots: DeviceSlotArray) -> HostPageArray:
-        """Unmap the pages of ``slots`` (about to be reused by `place`); returns those pages."""
-        pages = self.page_of_slot[slots]
-        self.slot_of_page[pages] = -1
-        self.page_of_slot[slots] = -1
-        return pages
+        return evicted
 
     def drop(self, pages: HostPageArray) -> None:
-        """Unmap whichever of the distinct, unpinned ``pages`` are resident; free their slots."""
+        """Unmap whichever of the distinct, unpinned ``pages`` are resident; free their slots.
+        Their LRU stamps become ``-1``, which invalidates their frontier entries."""
         slots = self.slot_of_page[pages]
         held = slots >= 0
         slots = slots[held]
-        self.slot_of_page[pages[held]] = -1
+        self.slot_of_page[pages[held]] = NOT_RESIDENT
         self.page_of_slot[slots] = -1
+        self.lru.last_use[slots] = -1
         self.free[self.num_free : self.num_free + len(slots)] = slots
         self.num_free += len(slots)
-
-    def pin(self, slots: DeviceSlotArray, backup: bool) -> None:
-        """One more pending copy on each of the distinct ``slots``."""
-        self.pins[slots] += BACKUP if backup else 1
-
-    def unpin(self, slots: DeviceSlotArray, backup: bool, stamped_since: int) -> DeviceSlotArray:
-        """A copy on the distinct ``slots``, planned by the step stamped ``stamped_since``,
-        finished; returns the slots it left unpinned."""
-        self.pins[slots] -= BACKUP if backup else 1
-        released = slots[self.pins[slots] == 0]
-        self.lru.unpinned(released, stamped_since)
-        return released
 
     def check_invariants(self, expected_pins: npt.NDArray[np.int64], clock: int) -> None:
         """Tables inverse on resident pages, no slot owned twice, free + resident = slots, pins
         equal to what the pending copies account for, pinned slots resident, LRU sound."""
         pages = np.flatnonzero(self.slot_of_page >= 0)
         slots = self.slot_of_page[pages]
-        require(int(self.slot_of_page.min()) >= -1, "page table holds a negative slot")
+        negative = self.slot_of_page[self.slot_of_page < 0]
+        require(bool(np.all(negative == NOT_RESIDENT)), "page table holds a negative slot")
         require(int(slots.max(initial=-1)) < self.num_slots, "page table slot out of range")
         require(len(np.unique(slots)) == len(slots), "a slot is owned by two pages")
         require(np.array_equal(self.page_of_slot[slots], pages), "slot table disagrees")
@@ -103,4 +98,4 @@ class DeviceBuffer:
         require(self.num_free + len(pages) == self.num_slots, "free + resident != device_slots")
         require(np.array_equal(self.pins, expected_pins), "pins differ from pending copies")
         require(bool(np.all(owned[self.pins > 0])), "a pinned slot is not resident")
-        self.lru.check_invariants(owned & (self.pins == 0), clock)
+        self.lru.check_invariants(owned & (self.pins == 0), owned, clock)

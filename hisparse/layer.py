@@ -16,13 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import HiSparseConfig
-from .device_buffer import BACKUP, DeviceBuffer
+from .device_buffer import BACKUP, NOT_RESIDENT, DeviceBuffer
 from .errors import DeviceBufferFull, InvariantError, MissingPageDataError, require
 from .ids import DeviceSlotArray, HostPageArray
-from .inputs import StepInput, distinct
+from .inputs import EMPTY, StepInput, distinct
 from .results import CopyBatch, CopyKind
-
-_NONE = np.zeros(0, np.int64)
 
 
 @dataclass
@@ -35,21 +33,44 @@ class Counters:
     read_hits: int = 0
 
 
-@dataclass(frozen=True)
-class Placement:
-    """What `LayerState.plan` decided; the coordinator wraps it into tickets and a `StepPlan`."""
+#: what `LayerState.plan` decided, wrapped by the coordinator into tickets and a `StepPlan`:
+#: (swap pages, swap slots, evicted pages, read slots, write slots, backup pages, backup slots)
+Placement = tuple[
+    HostPageArray,
+    DeviceSlotArray,
+    HostPageArray,
+    DeviceSlotArray,
+    DeviceSlotArray,
+    HostPageArray,
+    DeviceSlotArray,
+]
 
-    swap_pages: HostPageArray
-    swap_slots: DeviceSlotArray
-    evicted_pages: HostPageArray
-    read_slots: DeviceSlotArray
-    write_slots: DeviceSlotArray
-    backup_pages: HostPageArray
-    backup_slots: DeviceSlotArray
+
+def _scatter_validates_first() -> bool:
+    """Whether numpy checks every index of a fancy assignment before writing any (it does:
+    ``mapiter_trivial_set``); then a stamp scatter that raises has changed nothing."""
+    probe = np.zeros(4, np.int64)
+    try:
+        probe[np.array([0, 1, 2, NOT_RESIDENT], np.int64)] = 1
+    except IndexError:
+        return not probe.any()
+    return False  # pragma: no cover - numpy raises for an out-of-bounds index
 
 
-def _has_negative(slots: DeviceSlotArray) -> bool:
-    return len(slots) > 0 and int(slots.min()) < 0
+_SCATTER_VALIDATES_FIRST = _scatter_validates_first()
+
+#: the ufunc reduction without `ndarray.min`'s Python wrapper
+_min = np.minimum.reduce
+#: pin weights as numpy scalars (no conversion of a Python int per call)
+_BACKUP, _ONE = np.int64(BACKUP), np.int64(1)
+
+
+def _any_negative(slots: DeviceSlotArray) -> bool:
+    """Whether a slot array holds `NOT_RESIDENT` (on the few slots of a step's written pages
+    Python's ``min`` beats a numpy reduction's fixed cost)."""
+    if len(slots) <= 64:
+        return bool(len(slots)) and min(slots.tolist()) < 0
+    return int(_min(slots)) < 0
 
 
 class LayerState:
@@ -68,61 +89,130 @@ class LayerState:
         """Make every page of ``step`` resident, pin swap-ins and written pages, stamp the LRU.
 
         Raises `MissingPageDataError` or `DeviceBufferFull` having changed nothing.
+
+        When every page is resident this costs two passes over the reads: the page-table
+        gather that is the translation (``mode="wrap"`` skips numpy's bounds check per index:
+        the ids were range-checked; the result has the shape of ``reads``) and the LRU stamp
+        scatter, which is also the miss check.
         """
         table = self.buffer.slot_of_page
-        read_slots, write_slots = table.take(step.reads), table.take(step.writes)
-        self._check_fresh(step)
-        if _has_negative(read_slots) or _has_negative(write_slots):
-            return self._plan_missing(step, read_slots, write_slots)
-        now = self.clock + 1
-        self.buffer.lru.touch(read_slots, now)
-        self.buffer.lru.touch(write_slots, now)
-        backup_pages, backup_slots = self._pin_writes(step)
-        self._count(step, len(read_slots), 0, 0, len(backup_pages))
-        reads, writes = read_slots.reshape(step.read_shape), write_slots.reshape(step.write_shape)
-        return Placement(_NONE, _NONE, _NONE, reads, writes, backup_pages, backup_slots)
+        read_slots = table.take(step.reads, mode="wrap")
+        page_slots = table.take(step.write_pages, mode="wrap")
+        if len(step.fresh_pages):
+            self._check_fresh(step.fresh_pages)
+        if _any_negative(page_slots):
+            return self._plan_missing(step, read_slots, page_slots, True)
+        last_use, now = self.buffer.lru.last_use, self.clock + 1
+        if _SCATTER_VALIDATES_FIRST:
+            try:  # the stamp scatter is the miss check: NOT_RESIDENT is out of bounds
+                last_use[read_slots] = now
+            except IndexError:  # raised before anything was written
+                return self._plan_missing(step, read_slots, page_slots, False)
+        else:
+            if read_slots.size and _min(read_slots, axis=None) < 0:
+                return self._plan_missing(step, read_slots, page_slots, False)
+            last_use[read_slots] = now
+        last_use[page_slots] = now
+        return self._finish_step(step, read_slots, page_slots, read_slots.size, EMPTY, EMPTY, EMPTY)
 
-    def _check_fresh(self, step: StepInput) -> None:
-        fresh = step.fresh_pages
-        if len(fresh):
-            held = fresh[(self.buffer.slot_of_page[fresh] >= 0) | self.has_host_data[fresh]]
-            if len(held):
-                reason = "marked fresh but still holds data (release the page before reusing it)"
-                raise MissingPageDataError(self.index, held.tolist(), reason)
+    def _finish_step(
+        self,
+        step: StepInput,
+        read_slots: DeviceSlotArray,
+        page_slots: DeviceSlotArray,
+        hits: int,
+        swap_pages: HostPageArray,
+        swap_slots: DeviceSlotArray,
+        evicted: HostPageArray,
+    ) -> Placement:
+        """Pin the written pages (now resident at ``page_slots``), count, translate."""
+        pages = step.write_pages
+        if len(pages):
+            pins = self.buffer.pins
+            pins[page_slots] = pins[page_slots] + _BACKUP  # distinct slots; `+=` is slower
+            self.has_host_data[pages] = False  # the host copy is stale until the backup completes
+            write_slots = self.buffer.slot_of_page.take(step.writes, mode="wrap")
+            if write_slots.shape != step.write_shape:
+                write_slots = write_slots.reshape(step.write_shape)
+        else:
+            write_slots = EMPTY.reshape(step.write_shape)
+        c = self.counters
+        self.clock += 1
+        c.steps += 1
+        c.reads += read_slots.size
+        c.read_hits += hits
+        if len(swap_pages) or len(evicted):
+            c.swap_ins += len(swap_pages)
+            c.evictions += len(evicted)
+        c.backups += len(pages)
+        self.pending_copies += len(swap_pages) + len(pages)
+        if read_slots.shape != step.read_shape:
+            read_slots = read_slots.reshape(step.read_shape)
+        return swap_pages, swap_slots, evicted, read_slots, write_slots, pages, page_slots
+
+    def _check_fresh(self, fresh: HostPageArray) -> None:
+        held = fresh[(self.buffer.slot_of_page[fresh] >= 0) | self.has_host_data[fresh]]
+        if len(held):
+            reason = "marked fresh but still holds data (release the page before reusing it)"
+            raise MissingPageDataError(self.index, held.tolist(), reason)
 
     def _plan_missing(
-        self, step: StepInput, read_slots: DeviceSlotArray, write_slots: DeviceSlotArray
+        self,
+        step: StepInput,
+        read_slots: DeviceSlotArray,
+        page_slots: DeviceSlotArray,
+        pages_missing: bool,
     ) -> Placement:
-        """`plan` when some pages are not resident: place them (free slots first, then least
-        recently used victims), swap in those that are not fresh, then translate."""
-        read_miss = np.flatnonzero(read_slots < 0)
-        missing_reads = step.reads.take(read_miss)
-        pages, fresh = self._missing(missing_reads, step.writes[write_slots < 0], step)
-        slots, victims = self._allocate(len(pages), read_slots, write_slots)
-        evicted = self.buffer.evict(victims)
-        self.buffer.place(pages, slots)
-        self.buffer.lru.touch(slots, self.clock + 1)
-        swap_pages, swap_slots = (pages, slots) if fresh is None else (pages[~fresh], slots[~fresh])
-        self.buffer.pin(swap_slots, backup=False)
-        table = self.buffer.slot_of_page
-        hits = len(read_slots) - len(missing_reads)
-        read_slots[read_miss] = table.take(missing_reads)
-        write_slots = table.take(step.writes)
-        backup_pages, backup_slots = self._pin_writes(step)
-        self._count(step, hits, len(swap_pages), len(evicted), len(backup_pages))
-        reads, writes = read_slots.reshape(step.read_shape), write_slots.reshape(step.write_shape)
-        return Placement(swap_pages, swap_slots, evicted, reads, writes, backup_pages, backup_slots)
+        """`plan` when some pages are not resident (`NOT_RESIDENT` in ``read_slots``, or in
+        the written pages' ``page_slots`` if ``pages_missing``): place them (free slots first,
+        then least recently used victims), swap in those that are not fresh, then patch their
+        slots in."""
+        buf = self.buffer
+        sink = buf.lru.sink
+        flat_slots = read_slots.reshape(-1)  # a view: the gather's result is contiguous
+        read_miss = (flat_slots < 0).nonzero()[0]
+        missing_reads = step.reads.take(read_miss)  # flat positions
+        if pages_missing:
+            page_miss = (page_slots < 0).nonzero()[0]
+            missing_pages = step.write_pages.take(page_miss)
+            missing = np.concatenate((missing_reads, missing_pages))
+        else:
+            missing = missing_reads
+        pages, fresh = self._missing(missing, step.fresh_pages)
+        flat_slots[read_miss] = sink  # so that the step's lookup can be stamped whole
+        if pages_missing:
+            page_slots[page_miss] = sink
+        placed, victims = self._allocate(len(pages), read_slots, page_slots)
+        evicted = buf.place(pages, placed, victims)
+        buf.lru.last_use[placed] = self.clock + 1
+        swap_pages, swap_slots = (
+            (pages, placed) if fresh is None else (pages[~fresh], placed[~fresh])
+        )
+        buf.pins[swap_slots] = buf.pins[swap_slots] + _ONE
+        table = buf.slot_of_page
+        flat_slots[read_miss] = table.take(missing_reads)
+        if pages_missing:
+            page_slots[page_miss] = table.take(missing_pages)
+        hits = read_slots.size - len(read_miss)
+        return self._finish_step(
+            step, read_slots, page_slots, hits, swap_pages, swap_slots, evicted
+        )
 
     def _missing(
-        self, missing_reads: HostPageArray, missing_writes: HostPageArray, step: StepInput
+        self, missing: HostPageArray, fresh_pages: HostPageArray
     ) -> tuple[HostPageArray, np.ndarray | None]:
-        """The distinct non-resident pages (sorted) and which are fresh (``None``: none is);
+        """The distinct ``missing`` pages (sorted) and which are fresh (``None``: none is);
         raises `MissingPageDataError` for one that holds no data and is not written fresh."""
-        pages = distinct(np.concatenate((missing_reads, missing_writes)))
-        fresh = np.isin(pages, step.fresh_pages) if len(step.fresh_pages) else None
-        no_data = ~self.has_host_data[pages]
-        lost = pages[no_data if fresh is None else no_data & ~fresh]
-        if len(lost):
+        pages = distinct(missing)
+        usable = self.has_host_data.take(pages)
+        fresh = None
+        if len(fresh_pages):
+            # every fresh page is missing (`_check_fresh`): locate them in the sorted pages
+            fresh = np.zeros(len(pages), np.bool_)
+            fresh[np.searchsorted(pages, fresh_pages)] = True
+            usable = usable | fresh
+        if np.count_nonzero(usable) < len(pages):
+            lost = pages[~usable]
             reason = (
                 "no data on host or device (never written, or released); mark first writes fresh"
             )
@@ -130,23 +220,23 @@ class LayerState:
         return pages, fresh
 
     def _allocate(
-        self, count: int, read_slots: DeviceSlotArray, write_slots: DeviceSlotArray
+        self, count: int, read_slots: DeviceSlotArray, page_slots: DeviceSlotArray
     ) -> tuple[DeviceSlotArray, DeviceSlotArray]:
         """``count`` slots for new pages: free slots first, then the least recently used movable
-        slots. Stamps the step's resident slots first (``-1`` entries hit the LRU's sink) so
-        they cannot be chosen. Returns (all slots, the victims among them); on
+        slots. Stamps the step's resident slots first (missing ones point to the LRU's sink)
+        so they cannot be chosen. Returns (all slots, the victims among them); on
         `DeviceBufferFull` the stamps are rolled back."""
         buf, now = self.buffer, self.clock + 1
         short = count - min(count, buf.num_free)
         # the step holds at most one distinct slot per element: beyond that, no rollback needed
         movable_at_least = buf.num_resident - self.pending_copies
-        sure = short <= movable_at_least - len(read_slots) - len(write_slots)
+        sure = short <= movable_at_least - read_slots.size - len(page_slots)
         saved = None if short == 0 or sure else buf.lru.last_use.copy()
         buf.lru.touch(read_slots, now)
-        buf.lru.touch(write_slots, now)
+        buf.lru.touch(page_slots, now)
         if short == 0:
-            return buf.take_free(count), _NONE
-        selection = buf.lru.select(short, now, buf.movable, buf.resident)
+            return buf.take_free(count), EMPTY
+        selection = buf.lru.select(short, now, buf.pins, buf.resident)
         if selection is None:
             needed = count + buf.num_resident - self._movable_untouched(now)
             if saved is None:
@@ -154,50 +244,35 @@ class LayerState:
             buf.lru.last_use[:] = saved
             raise DeviceBufferFull(self.index, needed, buf.num_slots)
         buf.lru.commit(selection)
+        victims = selection[0]
         if count == short:
-            return selection.victims, selection.victims
+            return victims, victims
         free = buf.take_free(count - short)
-        return np.concatenate((free, selection.victims)), selection.victims
+        return np.concatenate((free, victims)), victims
 
     def _movable_untouched(self, now: int) -> int:
         buf = self.buffer
         every = np.arange(buf.num_slots)
         return int(np.count_nonzero(buf.movable(every) & (buf.lru.last_use[every] < now)))
 
-    def _pin_writes(self, step: StepInput) -> tuple[HostPageArray, DeviceSlotArray]:
-        if not len(step.writes):
-            return _NONE, _NONE
-        pages = distinct(step.writes)
-        slots = self.buffer.slot_of_page.take(pages)
-        self.buffer.pin(slots, backup=True)
-        self.has_host_data[pages] = False  # the host copy is stale until the backup completes
-        return pages, slots
-
-    def _count(self, step: StepInput, hits: int, swapped: int, evicted: int, backed: int) -> None:
-        c = self.counters
-        self.clock += 1
-        c.steps += 1
-        c.reads += len(step.reads)
-        c.read_hits += hits
-        c.swap_ins += swapped
-        c.evictions += evicted
-        c.backups += backed
-        self.pending_copies += swapped + backed
-
     # -- copies and release ----------------------------------------------------------------------
 
     def finish(self, batch: CopyBatch) -> None:
-        """A copy batch of this layer finished: unpin; a completed backup makes the host copy
-        current again once no later backup of the page is pending."""
-        if not len(batch):
-            return
-        self.pending_copies -= len(batch)
+        """A non-empty copy batch of this layer finished: unpin; a completed backup makes the
+        host copy current again once no later backup of the page is pending."""
+        slots = batch.device_slots
+        self.pending_copies -= len(slots)
+        buf = self.buffer
         backup = batch.kind is CopyKind.BACKUP
-        self.buffer.unpin(batch.device_slots, backup, batch.step)
+        left = buf.pins.take(slots) - (_BACKUP if backup else _ONE)
+        buf.pins[slots] = left  # the slots are distinct: one gather, one scatter
+        lru = buf.lru
+        if batch.step * lru.num_slots <= lru.frontier.limit:  # else the frontier is unaffected
+            lru.unpinned(slots[left == 0])
         if backup:
-            slots = batch.device_slots
-            done = batch.host_pages[self.buffer.pins[slots] < BACKUP]
-            self.has_host_data[done] = True
+            # a page with a later backup pending has no host data yet, and keeps none: its
+            # flag was cleared when that backup was planned
+            self.has_host_data[batch.host_pages] = left < _BACKUP
 
     def pinned(self, pages: HostPageArray) -> HostPageArray:
         """Which of ``pages`` are resident and pinned by a pending copy."""

@@ -10,11 +10,14 @@ cursor; each selection takes the next valid entries::
 
 Claim kept between calls: every movable slot (resident, unpinned) whose key is ``<= limit`` is
 in ``slots[pos:]`` with its current ``last_use``. Keys only grow (touching stamps the current
-clock, above ``limit``), so entries whose ``last_use`` changed, or that are not movable now,
-are skipped. Pinned slots stay in the frontier, so unpinning them needs nothing — unless the
-cursor already passed them: then `unpinned` drops the frontier and the next selection rebuilds
-it. A rebuild is one stable radix sort of the stamps' ages (uint16) when they span < 2**16
-steps, one merge sort otherwise.
+clock, above ``limit``), so entries whose ``last_use`` changed, or that are pinned now, are
+skipped. An entry whose stamp is unchanged is still resident — a slot loses its page either
+to a page of the step that evicts it (which stamps it) or to `DeviceBuffer.drop`, which sets
+its stamp to ``-1`` (no frontier entry holds that) — so a walk checks stamps and pins only.
+Pinned slots stay in the frontier, so unpinning them needs nothing — unless the cursor already
+passed them: then `unpinned` drops the frontier and the next selection rebuilds it. A rebuild
+is one stable radix sort of the stamps' ages (uint16) when they span < 2**16 steps, one merge
+sort otherwise.
 """
 
 from __future__ import annotations
@@ -28,17 +31,16 @@ import numpy.typing as npt
 from .errors import require
 from .ids import DeviceSlotArray
 
-#: ``movable(slots)``: which of these slots hold an unpinned resident page
-Movable = Callable[[DeviceSlotArray], npt.NDArray[np.bool_]]
 #: ``resident()``: mask of the slots holding a page
 Resident = Callable[[], npt.NDArray[np.bool_]]
 
 _RADIX_SPAN = 1 << 16
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Frontier:
-    """Resident slots ascending by key when last rebuilt, and a cursor; see the module doc."""
+    """Resident slots ascending by key when last rebuilt, and a cursor; see the module doc.
+    Only ``pos`` ever changes (`SlotLru.commit`)."""
 
     slots: DeviceSlotArray
     last_use: npt.NDArray[np.int64]
@@ -57,66 +59,68 @@ class Frontier:
         return int(self.last_use[self.pos]) * num_slots + int(self.slots[self.pos])
 
 
-@dataclass(frozen=True)
-class Selection:
-    """Victims of one step, oldest first, and the frontier to `commit` if the step goes on."""
-
-    victims: DeviceSlotArray
-    frontier: Frontier
+#: victims of one step (oldest first), the frontier they came from (the current one or a
+#: rebuilt one) and its cursor after them: what `SlotLru.commit` installs if the step goes on
+Selection = tuple[DeviceSlotArray, Frontier, int]
 
 
 class SlotLru:
     """LRU clock of one device buffer; `select` is pure, `touch` / `commit` / `unpinned` mutate.
 
-    ``last_use`` has one extra trailing entry, a sink for the ``-1`` (not resident) slot ids a
-    step's page-table lookup yields, so a whole lookup can be stamped without filtering.
+    ``last_use`` has one extra trailing entry, ``sink``: a step whose lookup found pages not
+    resident points those elements there, so the whole lookup can be stamped without
+    filtering.
     """
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self.last_use = np.zeros(num_slots + 1, np.int64)
+        self.sink = num_slots
         self.frontier = Frontier.empty()
         self._all = np.arange(num_slots, dtype=np.int64)
 
     def touch(self, slots: DeviceSlotArray, now: int) -> None:
-        """Stamp ``now`` (above every earlier stamp) on ``slots``; duplicates and -1 are fine."""
+        """Stamp ``now`` (above every earlier stamp) on ``slots``; duplicates and ``sink`` are
+        fine."""
         self.last_use[slots] = now
 
     def select(
-        self, count: int, now: int, movable: Movable, resident: Resident
+        self, count: int, now: int, pins: npt.NDArray[np.int64], resident: Resident
     ) -> Selection | None:
-        """The ``count >= 1`` least recently used movable slots not touched at ``now``, oldest
-        first, or ``None`` when fewer exist. Mutates nothing (`commit` the result)."""
-        found = self._walk(self.frontier, count, movable)
+        """The ``count >= 1`` least recently used movable slots (``pins`` zero) not touched at
+        ``now``, oldest first, or ``None`` when fewer exist. Mutates nothing (`commit` it)."""
+        found = self._walk(self.frontier, count, pins)
         if found is not None:
             return found
-        return self._walk(self._rebuild(now, resident), count, movable)
+        return self._walk(self._rebuild(now, resident), count, pins)
 
     def commit(self, selection: Selection) -> None:
-        self.frontier = selection.frontier
+        _, frontier, cut = selection
+        frontier.pos = cut
+        self.frontier = frontier
 
-    def unpinned(self, slots: DeviceSlotArray, stamped_since: int) -> None:
-        """``slots`` (all stamped at ``stamped_since`` or later) lost their last pin: drop the
-        frontier if the cursor already passed one of them (the frontier must list every
-        movable slot up to its limit)."""
-        if len(slots) and stamped_since * self.num_slots <= self.frontier.limit:
+    def unpinned(self, slots: DeviceSlotArray) -> None:
+        """``slots`` lost their last pin: drop the frontier if the cursor already passed one of
+        them (the frontier must list every movable slot up to its limit). Nothing to do, and
+        the caller may skip the call, when they were all stamped after ``frontier.limit``."""
+        if len(slots):
             oldest = int((self.last_use[slots] * self.num_slots + slots).min())
             f = self.frontier
             if oldest <= f.limit and oldest < f.cursor_key(self.num_slots):
                 self.frontier = Frontier.empty()
 
-    def _walk(self, frontier: Frontier, count: int, movable: Movable) -> Selection | None:
+    def _walk(
+        self, frontier: Frontier, count: int, pins: npt.NDArray[np.int64]
+    ) -> Selection | None:
         pos = frontier.pos
         rest = frontier.slots[pos:]
         near = 2 * count + 16  # usually enough: try a short head before the whole rest
         for width in (near, len(rest)) if near < len(rest) else (len(rest),):
             head = rest[:width]
-            valid = self.last_use[head] == frontier.last_use[pos : pos + width]
-            found = np.flatnonzero(valid & movable(head))
+            unchanged = self.last_use.take(head) == frontier.last_use[pos : pos + width]
+            found = (unchanged & (pins.take(head) == 0)).nonzero()[0]
             if len(found) >= count:
-                cut = pos + int(found[count - 1]) + 1
-                moved = Frontier(frontier.slots, frontier.last_use, frontier.limit, cut)
-                return Selection(head[found[:count]], moved)
+                return head.take(found[:count]), frontier, pos + int(found[count - 1]) + 1
         return None
 
     def _rebuild(self, now: int, resident: Resident) -> Frontier:
@@ -133,9 +137,15 @@ class SlotLru:
         slots, stamps = slots[order], stamps[order]
         return Frontier(slots, stamps, limit=int(stamps[-1]) * self.num_slots + int(slots[-1]))
 
-    def check_invariants(self, movable_mask: npt.NDArray[np.bool_], clock: int) -> None:
+    def check_invariants(
+        self,
+        movable_mask: npt.NDArray[np.bool_],
+        resident_mask: npt.NDArray[np.bool_],
+        clock: int,
+    ) -> None:
         """Stamps never exceed the clock; the frontier is sorted and lists every movable slot
-        whose key is within its limit, with its current stamp."""
+        whose key is within its limit, with its current stamp; its entries with their current
+        stamp are resident."""
         f, n = self.frontier, self.num_slots
         stamps = self.last_use[:n]
         require(int(stamps.max(initial=0)) <= clock, "a slot was touched in the future")
@@ -145,6 +155,8 @@ class SlotLru:
         require(len(keys) == 0 or int(keys[-1]) == f.limit, "frontier limit is not its last key")
         rest = f.slots[f.pos :]
         live = rest[stamps[rest] == f.last_use[f.pos :]]
+        gone = live[~resident_mask[live]]
+        require(len(gone) == 0, f"free slots {gone[:8].tolist()} look valid in the frontier")
         covered = np.flatnonzero(movable_mask & (stamps * n + self._all <= f.limit))
         missing = np.setdiff1d(covered, live)
         require(len(missing) == 0, f"movable slots {missing[:8].tolist()} escaped the frontier")

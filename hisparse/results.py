@@ -1,4 +1,11 @@
-"""Typed records the coordinator returns. Page and slot arrays are int64 and read-only."""
+"""Typed records the coordinator returns. Copy batches' page and slot arrays are int64 and
+read-only.
+
+`plan_step` builds these records on every layer-step, so it bypasses the frozen dataclasses'
+``__init__`` (``object.__setattr__`` per field, ~1.5 µs a record): `new_batch` and `new_plan`
+fill a new instance's ``__dict__`` directly. The records stay frozen; their arrays are fresh
+(or the shared read-only empty array) and made read-only by the coordinator.
+"""
 
 from __future__ import annotations
 
@@ -108,3 +115,46 @@ class BufferStats:
     def hit_ratio(self) -> float | None:
         """``read_hits / reads``; ``None`` before any read."""
         return self.read_hits / self.reads if self.reads else None
+
+
+_new = object.__new__
+
+
+def new_batch(
+    ticket: int,
+    layer: int,
+    kind: CopyKind,
+    host_pages: HostPageArray,
+    device_slots: DeviceSlotArray,
+    step: int,
+) -> CopyBatch:
+    """`CopyBatch` without the dataclass ``__init__``; the arrays must already be read-only."""
+    batch = _new(CopyBatch)
+    fields = batch.__dict__
+    fields["ticket"] = ticket
+    fields["layer"] = layer
+    fields["kind"] = kind
+    fields["host_pages"] = host_pages
+    fields["device_slots"] = device_slots
+    fields["step"] = step
+    return batch
+
+
+def new_plan(
+    layer: int,
+    swap_in: CopyBatch,
+    evicted_pages: HostPageArray,
+    read_slots: DeviceSlotArray,
+    write_slots: DeviceSlotArray,
+    backup: CopyBatch,
+) -> StepPlan:
+    """`StepPlan` without the dataclass ``__init__``."""
+    plan = _new(StepPlan)
+    fields = plan.__dict__
+    fields["layer"] = layer
+    fields["swap_in"] = swap_in
+    fields["evicted_pages"] = evicted_pages
+    fields["read_slots"] = read_slots
+    fields["write_slots"] = write_slots
+    fields["backup"] = backup
+    return plan

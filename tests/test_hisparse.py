@@ -128,6 +128,14 @@ def test_host_page_and_device_slot_are_distinct_types() -> None:
     assert '<string>:5: error: Argument 1 to "slot_of" has incompatible type "DeviceSlot"' in stdout
 
 
+def test_copy_batches_built_by_hand_are_read_only_too() -> None:
+    pages, slots = np.array([4, 5]), np.array([0, 1])
+    batch = CopyBatch(7, 0, CopyKind.BACKUP, pages, slots, step=3)
+    assert len(batch) == 2 and not pages.flags.writeable and not slots.flags.writeable
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        batch.step = 4  # type: ignore[misc]
+
+
 def test_copy_batches_are_read_only_records() -> None:
     coord = make()
     plan = coord.plan_step(0, [], [1, 2], [True, True])
@@ -328,6 +336,17 @@ def test_page_with_two_pending_backups_waits_for_both_in_any_order() -> None:
     assert ids(read(coord, 0).swap_in.host_pages) == [0]
 
 
+def test_a_large_fresh_write_then_a_large_rewrite() -> None:
+    """Hundreds of written pages in one step (a prefill chunk), fresh, then written again."""
+    coord = make(slots=300, pages=400)
+    pages = np.arange(100, 300, dtype=np.int64)
+    plan = done(coord, coord.plan_step(0, [], pages, np.ones(200, bool)))
+    assert ids(plan.backup.host_pages) == ids(pages) and len(plan.swap_in) == 0
+    plan = done(coord, coord.plan_step(0, pages[::-1], pages[::-1].reshape(20, 10)))
+    assert ids(plan.read_slots) == ids(plan.write_slots) and len(plan.swap_in) == 0
+    assert ids(plan.backup.host_pages) == ids(pages) and plan.write_slots.shape == (20, 10)
+
+
 def test_write_of_a_host_only_page_swaps_it_in_first() -> None:
     coord = make(slots=1)
     write_new(coord, 0)
@@ -371,9 +390,11 @@ def test_complete_unknown_or_twice_raises_and_changes_nothing() -> None:
 
 def test_empty_step_still_issues_two_tickets() -> None:
     coord = make()
-    plan = coord.plan_step(0, [], [])
+    plan = coord.plan_step(0, [], [], [])
     assert len(plan.swap_in) == len(plan.backup) == 0 and plan.read_slots.shape == (0,)
     assert len(coord.pending_tickets) == 2
+    for batch in (plan.swap_in, plan.backup):
+        assert batch.host_pages.dtype == np.int64 and not batch.host_pages.flags.writeable
     done(coord, plan)
 
 
@@ -410,6 +431,9 @@ def test_fresh_write_of_a_page_that_holds_data_raises() -> None:
         (0, [1.0], [], None),
         (0, np.array([1], np.float32), [], None),
         (0, [], [99], None),
+        (0, [], np.array([3, 99], np.int64), None),
+        (0, [], np.array([[-1, 3]], np.int64), None),
+        (0, np.array([[3, 16]], np.int64), [], None),
         (0, [], [1, 2], [True]),
         (0, [], [1, 2], [1, 0]),
         (0, [], [[1, 2]], [True, True]),
@@ -593,3 +617,97 @@ def test_debug_mode_checks_after_every_mutating_call() -> None:
     quiet.plan_step(0, [], [1], [True])
     quiet._layers[0].pending_copies = 5
     quiet.release([2])  # no check without debug
+
+
+# -- the hot path: no aliasing, no partial writes, one behaviour on every numpy path -----------
+
+
+def _random_steps(coord: Coordinator, steps: int, seed: int) -> list[tuple[list[int], ...]]:
+    """Random decode-like steps on 24 pages (one layer): reads as int64 arrays, now and then a
+    fresh write of a new page; every plan's decisions, copies completed in between."""
+    rng = np.random.default_rng(seed)
+    written = [0, 1, 2, 3]
+    write_new(coord, *written)
+    out = []
+    for step in range(steps):
+        reads = rng.choice(written, (2, 3)).astype(np.int64)
+        writes = np.array([len(written)] if step % 3 == 0 and len(written) < 24 else [], np.int64)
+        plan = coord.plan_step(0, reads, writes, np.ones(len(writes), bool))
+        written += ids(writes)
+        out.append(
+            (
+                ids(plan.read_slots),
+                ids(plan.write_slots),
+                ids(plan.evicted_pages),
+                ids(plan.swap_in.host_pages),
+                ids(plan.swap_in.device_slots),
+                ids(plan.backup.device_slots),
+            )
+        )
+        done(coord, plan)
+    return out
+
+
+def test_both_miss_checks_plan_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stamp scatter that raises on a missing page (numpy validates a fancy assignment's
+    indices before its first store) and the explicit ``min`` check give the same plans."""
+    import hisparse.layer
+
+    reference = _random_steps(make(slots=8, pages=24), 80, seed=5)
+    monkeypatch.setattr(hisparse.layer, "_SCATTER_VALIDATES_FIRST", False)
+    assert _random_steps(make(slots=8, pages=24), 80, seed=5) == reference
+
+
+@pytest.mark.parametrize("missing_at", [0, 8191, 16383])
+def test_a_large_failing_step_writes_no_stamp(missing_at: int) -> None:
+    """16K reads, one of them a page without data (or one too many for the buffer), anywhere in
+    the array: the error leaves every LRU stamp as it was."""
+    coord = make(slots=4, pages=64, debug=False)
+    write_new(coord, 0, 1, 2, 3)
+    write_new(coord, 4)  # 0 now only on the host
+    reads = np.resize(np.array([1, 2, 3, 4], np.int64), 16384)
+    reads[missing_at] = 9  # never written
+    expect_unchanged(coord, MissingPageDataError, coord.plan_step, 0, reads, [])
+    reads[missing_at] = 0  # on the host, but five distinct pages do not fit four slots
+    expect_unchanged(coord, DeviceBufferFull, coord.plan_step, 0, reads.reshape(128, 128), [])
+
+
+def test_results_own_their_arrays_and_inputs_are_never_written() -> None:
+    """Returned arrays are fresh (later steps do not change them); copy batches' are
+    read-only; the caller's reads / writes / fresh arrays are left as they were."""
+    coord = make(slots=4, pages=16, debug=False)
+    for page in range(5):
+        write_new(coord, page)
+    kept = []
+    for step in range(12):
+        reads = np.array([[step % 5, (step + 1) % 5], [(step + 2) % 5, step % 5]], np.int64)
+        writes = np.array([5 + step if step < 5 else step % 5], np.int64)
+        fresh = np.array([step < 5])
+        inputs = (reads.copy(), writes.copy(), fresh.copy())
+        plan = coord.plan_step(0, reads, writes, fresh)
+        assert all(np.array_equal(a, b) for a, b in zip((reads, writes, fresh), inputs))
+        for batch in (plan.swap_in, plan.backup):
+            assert not batch.host_pages.flags.writeable and not batch.device_slots.flags.writeable
+            assert batch.host_pages.dtype == batch.device_slots.dtype == np.int64
+        arrays = (plan.read_slots, plan.write_slots, plan.evicted_pages, plan.swap_in.host_pages)
+        arrays += (plan.swap_in.device_slots, plan.backup.host_pages, plan.backup.device_slots)
+        kept.append((arrays, [a.copy() for a in arrays]))
+        done(coord, plan)
+    assert any(len(arrays[2]) for arrays, _ in kept), "no step evicted: a weak test"
+    for arrays, copies in kept:
+        assert all(np.array_equal(a, c) for a, c in zip(arrays, copies))
+
+
+def test_a_released_slot_left_in_the_frontier_is_never_a_victim() -> None:
+    """`release` frees a slot the LRU frontier still lists; the next step that must evict
+    skips it (it is free, not resident) and takes the oldest resident page."""
+    coord = make(slots=4, pages=16)
+    write_new(coord, 0, 1, 2, 3)
+    read(coord, 1, 2, 3)
+    write_new(coord, 4)  # evicts 0: builds a frontier listing the slots of 1, 2, 3
+    released = int(coord._layers[0].buffer.slot_of_page[2])
+    assert released in coord._layers[0].buffer.lru.frontier.slots.tolist()
+    coord.release([2])
+    plan = write_new(coord, 5, 6)  # one free slot, one victim
+    assert ids(plan.evicted_pages) == [1]
+    assert released in ids(plan.write_slots)
