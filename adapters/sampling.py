@@ -9,7 +9,6 @@ import torch
 
 from shadowradix import InvalidRequestError
 
-
 #: Below this, logits / T overflows fp64 for ordinary logit ranges: use 0 (greedy) instead.
 MIN_TEMPERATURE = 1e-3
 MAX_TEMPERATURE = 1e3
