@@ -161,8 +161,9 @@ class C4Offload:
         self._swap_in(layer, plan.swap_in)
         buf = self.buffer[layer].view(-1, self._width(layer))
         if len(write_slots):
-            slot_of = dict(zip(write_pages.tolist(), plan.write_slots.tolist()))
-            rows = np.array([slot_of[p] for p in (write_slots // spp).tolist()], dtype=np.int64)
+            # write_pages is sorted and distinct: each entry's page slot by one searchsorted
+            page_slot = np.asarray(plan.write_slots, dtype=np.int64)
+            rows = page_slot[np.searchsorted(write_pages, write_slots // spp)]
             rows = rows * spp + write_slots % spp
             buf[torch.from_numpy(rows).to(self.device)] = values.to(buf.dtype)
         self._backup(layer, plan.backup)

@@ -112,9 +112,7 @@ def _replay(decoder: GraphDecoder, requests):
     batch = len(requests)
     if not decoder.use_graphs:
         return decoder._run(batch, context)[:batch]
-    graph, out = decoder._graphs[(batch, context)]
-    graph.replay()
-    return out[:batch]
+    return decoder._replay(batch, context)[:batch]
 
 
 def profile_point(model, weights, batch: int, context: int, page: int) -> None:
