@@ -554,14 +554,27 @@ class Bench:
             x, _ = self._topk_input(b, n, k)
             base = self._find("torch.topk", shape)
             knobs_list = [
+                dict(ctas=32),
                 dict(ctas=64),
                 dict(ctas=256, block=1024),
                 dict(block=1024),
+                dict(chunk=16),
+                dict(chunk=32),
+                dict(chunk=128),
                 dict(num_warps=4),
                 dict(hist_mask=not TK.HIST_MASK),
                 dict(pdl=False, workspace=TK.topk_workspace(b, dev)),
             ]
-            for knobs in knobs_list if not self.smoke else knobs_list[:1]:
+            todo = [(b, n, k, kn) for kn in knobs_list]
+            b32 = 32 if not self.smoke else 3
+            todo += [(b32, n, k, dict(ctas=c)) for c in ((2, 4, 8) if not self.smoke else (2,))] + [
+                (b32, n, k, dict(block=1024)),
+                (b32, n, k, dict(num_warps=4)),
+            ]
+            for b, n, k, knobs in todo if not self.smoke else todo[:1] + todo[-3:]:
+                shape = f"{b}x{n:,} k={k}"
+                x, _ = self._topk_input(b, n, k)
+                base = self._find("torch.topk", shape)
                 label = ",".join(
                     f"{a}={'reused' if a == 'workspace' else v}" for a, v in knobs.items()
                 )
@@ -588,7 +601,23 @@ class Bench:
         self.variant(
             "topk", "lightning (index order)", shape, run, self._exact(run, x, k), None, base, **gm
         )
+        run = functools.partial(TK.lightning_topk, x, k, algorithm="histogram")
+        self.variant(
+            "topk", "lightning histogram (previous)", shape, run, self._exact(run, x, k), None,
+            base, **gm,
+        )  # fmt: skip
         if targets:
+            for label, hard in self._bound_hard_inputs(x, k).items():
+                run = functools.partial(TK.lightning_topk, hard, k)
+                self.variant(
+                    "topk", f"lightning {label}", shape, run, self._exact(run, hard, k), None,
+                    base, **gm,
+                )  # fmt: skip
+                run = functools.partial(TK.lightning_topk, hard, k, algorithm="histogram")
+                self.variant(
+                    "topk", f"lightning histogram {label}", shape, run,
+                    self._exact(run, hard, k), None, base, optional=True, **gm,
+                )  # fmt: skip
             ws = TK.topk_workspace(b, dev)
             run = functools.partial(TK.lightning_topk, x, k, workspace=ws)
             self.variant(
@@ -624,6 +653,19 @@ class Bench:
                     base,
                     **gm,
                 )
+
+    def _bound_hard_inputs(self, x, k):
+        """Inputs that weaken the chunk-maxima bound: the top entries packed into few chunks
+        (16 runs of 256 raised entries per row), and ascending rows (the worst case: the top
+        ``k`` chunks are full, ``k * chunk`` candidates)."""
+        b, n = x.shape
+        g = torch.Generator(device=self.device).manual_seed(SEED + 99)
+        runs = x.clone()
+        starts = torch.randint(0, max(1, n - 256), (b, 16), generator=g, device=self.device)
+        cols = (starts[:, :, None] + torch.arange(256, device=self.device)).reshape(b, -1)
+        runs.scatter_add_(1, cols, torch.full_like(cols, 4.0, dtype=x.dtype))
+        ramp = torch.arange(n, device=self.device, dtype=x.dtype).expand(b, n).contiguous()
+        return {"runs of 256": runs, "ascending rows": ramp + 0.25 * x}
 
     def topk_checks(self) -> None:
         """Exactness on hard inputs (not timed)."""
@@ -823,6 +865,31 @@ class Bench:
                         launch_pdl=pdl,
                         maxnreg=128,
                     )
+        bound_types = {a: t for a, t in types.items() if a != "ge_ptr"}
+        bound_types = dict(bound_types, mx_ptr="*i32", M="i32")
+        for pdl in (True, False):
+            for has_len in (False, True):
+                c = dict(BLOCK=2048, HAS_LEN=has_len, HIST_MASK=TK.HIST_MASK, PDL=pdl)
+                tag = f"pdl={pdl} lengths={has_len}"
+                lens = "*i64" if has_len else "*i32"
+                a_types = {
+                    a: bound_types[a]
+                    for a in ("x_ptr", "len_ptr", "st_ptr", "mx_ptr", "N", "HN", "stride_x",
+                              "span", "k", "C", "M")
+                }  # fmt: skip
+                a_types["len_ptr"] = lens
+                build(TK._bound_kernel, a_types, dict(c, G=64, MB=2048), 8, f"topk bound {tag}")
+                g_types = {a: t for a, t in bound_types.items() if a not in ("mx_ptr", "M")}
+                g_types["len_ptr"] = lens
+                build(
+                    TK._gather_kernel,
+                    g_types,
+                    dict(c, CB=128, MC=1024),
+                    8,
+                    f"topk gather {tag}",
+                    launch_pdl=pdl,
+                    maxnreg=128,
+                )
         for kp, w in ((512, 4), (1024, 4), (2048, 8)):
             build(TK._sort_kernel, types, dict(KP=kp), w, f"topk sort KP={kp}")
         print(f"compile check for sm_{arch}: {'all ok' if not failures else f'{failures} FAILED'}")

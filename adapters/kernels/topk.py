@@ -70,10 +70,16 @@ __all__ = ["lightning_topk", "sort_topk", "topk_workspace"]
 # Per-row state, int32 words, all zero between calls: hist1[256], hist2[256], ticket, the
 # threshold bin's max low-16 bits and (0xFFFF - min low-16 bits).
 _NB = 256
-_WS_ROW = 2 * _NB + 8
+_MAX_CTAS = 1024  # CTAs per row (the bound algorithm publishes one count per CTA)
+_WS_ROW = 2 * _NB + 8 + _MAX_CTAS
 NB = tl.constexpr(_NB)
 HIST1, HIST2 = tl.constexpr(0), tl.constexpr(_NB)
 TICKET, LOMAX, LONEG = tl.constexpr(2 * _NB), tl.constexpr(2 * _NB + 1), tl.constexpr(2 * _NB + 2)
+TICKET_A, BOUND, COUNTS = (
+    tl.constexpr(2 * _NB + 3),
+    tl.constexpr(2 * _NB + 4),
+    tl.constexpr(2 * _NB + 8),
+)
 WS_ROW = tl.constexpr(_WS_ROW)
 # `tl.histogram(..., mask=)` skips masked keys; without it (older Triton) masked keys go to bin 0
 # and are subtracted again.
@@ -276,6 +282,39 @@ def _refine(
 
 
 @triton.jit
+def _emit(
+    cv, ci, v0, i0, total, thr, need, count, val_ptr, idx_ptr, cnt_ptr, b, k, MC: tl.constexpr
+):
+    """Writes row ``b``'s result from its candidates: the keys above ``thr`` and the ``need``
+    lowest-index ties at ``thr``, in index order, stopping at ``count``; then the padding."""
+    out_v = val_ptr + b.to(tl.int64) * k
+    out_i = idx_ptr + b.to(tl.int64) * k
+    written = 0
+    ties = 0
+    s = 0
+    while (s < total) & (written < count):
+        v, okp = _chunk(cv, v0, s, total, MC)
+        i, okp = _chunk(ci, i0, s, total, MC)
+        key = _keys(v)
+        tie = (okp & (key == thr)).to(tl.int32)
+        rank = ties + tl.cumsum(tie, axis=0) - tie
+        sel = (okp & ((key > thr) | ((tie != 0) & (rank < need)))).to(tl.int32)
+        pos = written + tl.cumsum(sel, axis=0) - sel
+        put = (sel != 0) & (pos < k)
+        tl.store(out_v + pos, v, mask=put)
+        tl.store(out_i + pos, i.to(tl.int64), mask=put)
+        ties += tl.sum(tie, axis=0)
+        written += tl.sum(sel, axis=0)
+        s += MC
+    for off in range(count, k, MC):
+        p = off + tl.arange(0, MC)
+        pm = p < k
+        tl.store(out_v + p, tl.full((MC,), float("-inf"), tl.float32), mask=pm)
+        tl.store(out_i + p, tl.zeros((MC,), tl.int64), mask=pm)
+    tl.store(cnt_ptr + b, count)
+
+
+@triton.jit
 def _select_kernel(
     x_ptr,
     len_ptr,
@@ -357,35 +396,191 @@ def _select_kernel(
         else:  # every valid key is > 0: take them all
             thr = p16 * 0
             need = krem2 * 0
-        out_v = val_ptr + b.to(tl.int64) * k
-        out_i = idx_ptr + b.to(tl.int64) * k
-        written = 0
-        ties = 0
-        s = 0
-        while (s < total) & (written < count):
-            v, okp = _chunk(cv, v0, s, total, MC)
-            i, okp = _chunk(ci, i0, s, total, MC)
-            key = _keys(v)
-            tie = (okp & (key == thr)).to(tl.int32)
-            rank = ties + tl.cumsum(tie, axis=0) - tie
-            sel = (okp & ((key > thr) | ((tie != 0) & (rank < need)))).to(tl.int32)
-            pos = written + tl.cumsum(sel, axis=0) - sel
-            put = (sel != 0) & (pos < k)
-            tl.store(out_v + pos, v, mask=put)
-            tl.store(out_i + pos, i.to(tl.int64), mask=put)
-            ties += tl.sum(tie, axis=0)
-            written += tl.sum(sel, axis=0)
-            s += MC
-        for off in range(count, k, MC):
-            p = off + tl.arange(0, MC)
-            pm = p < k
-            tl.store(out_v + p, tl.full((MC,), float("-inf"), tl.float32), mask=pm)
-            tl.store(out_i + p, tl.zeros((MC,), tl.int64), mask=pm)
-        tl.store(cnt_ptr + b, count)
+        _emit(cv, ci, v0, i0, total, thr, need, count, val_ptr, idx_ptr, cnt_ptr, b, k, MC)
         # leave the state zeroed for the next call (every CTA has read it: they all took a ticket)
         for off in range(0, WS_ROW, MC):
             p = off + tl.arange(0, MC)
             tl.store(st + p, tl.zeros((MC,), tl.int32), mask=p < WS_ROW)
+
+
+# -- the bound algorithm: chunk maxima give a lower bound; one pass gathers what is above it ----
+
+
+@triton.jit
+def _refine_top(cv, v0, total, krem, MC: tl.constexpr, HIST_MASK: tl.constexpr):
+    """Top byte of the ``krem``-th largest candidate, and the rank left in its bin."""
+    h = tl.zeros((NB,), tl.int32)
+    for s in range(0, total, MC):
+        v, okp = _chunk(cv, v0, s, total, MC)
+        h += _histogram((_keys(v) >> 24).to(tl.int32), okp, NB, MC, HIST_MASK)
+    t, krem2, _ = _select_bin(h, krem, NB)
+    return t.to(tl.uint32), krem2
+
+
+@triton.jit
+def _bound_kernel(
+    x_ptr,
+    len_ptr,
+    st_ptr,
+    mx_ptr,
+    N,
+    HN,
+    stride_x,
+    span,
+    k,
+    C,
+    M,
+    BLOCK: tl.constexpr,
+    G: tl.constexpr,
+    MB: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    HIST_MASK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Stores the maximum key of every ``G`` consecutive entries; the row's last CTA then finds
+    the 16-bit prefix ``P`` of the ``k``-th largest chunk maximum and publishes the bound
+    ``P << 16``: at least ``k`` chunks have a maximum at or above it, so at least ``k`` entries
+    are, and every top-``k`` entry is."""
+    if PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    row = x_ptr + b.to(tl.int64) * stride_x
+    n, hist_n, keep = _row_extent(len_ptr, b, N, HN, k, HAS_LEN)
+    start = pid * span
+    end = tl.minimum(start + span, hist_n)
+    lim = _load_limit(start, span, N, end)
+    mrow = mx_ptr + b.to(tl.int64) * M
+    idx = start + tl.arange(0, BLOCK)
+    x = tl.load(row + idx, mask=idx < lim, other=0.0)
+    for off in range(start, end, BLOCK):
+        idx_n = off + BLOCK + tl.arange(0, BLOCK)
+        x_n = tl.load(row + idx_n, mask=idx_n < lim, other=0.0)
+        key = tl.where(idx < end, _keys(x), 0)
+        cmax = tl.max(tl.reshape(key, (BLOCK // G, G)), axis=1)
+        tl.store(mrow + off // G + tl.arange(0, BLOCK // G), cmax.to(tl.int32, bitcast=True))
+        x, idx = x_n, idx_n
+    tl.debug_barrier()
+    st = st_ptr + b.to(tl.int64) * WS_ROW
+    if tl.atomic_add(st + TICKET_A, 1, sem="acq_rel") == C - 1:
+        chunks = tl.cdiv(hist_n, G)  # 0 for rows taking every entry
+        h = tl.zeros((NB,), tl.int32)
+        for s in range(0, chunks, MB):
+            p = s + tl.arange(0, MB)
+            v = tl.load(mrow + p, mask=p < chunks, other=0, cache_modifier=".cg")
+            v = v.to(tl.uint32, bitcast=True)
+            h += _histogram((v >> 24).to(tl.int32), p < chunks, NB, MB, HIST_MASK)
+        t1, krem, _ = _select_bin(h, k, NB)
+        t1 = tl.maximum(t1, 0).to(tl.uint32)
+        h = tl.zeros((NB,), tl.int32)
+        for s in range(0, chunks, MB):
+            p = s + tl.arange(0, MB)
+            v = tl.load(mrow + p, mask=p < chunks, other=0, cache_modifier=".cg")
+            v = v.to(tl.uint32, bitcast=True)
+            ok = (p < chunks) & ((v >> 24) == t1)
+            h += _histogram(((v >> 16) & 0xFF).to(tl.int32), ok, NB, MB, HIST_MASK)
+        t2, _, _ = _select_bin(h, krem, NB)
+        t2 = tl.maximum(t2, 0).to(tl.uint32)
+        # fewer than k chunks: no bound, every entry is a candidate
+        bound = tl.where(chunks >= k, (t1 << 24) | (t2 << 16), 0)
+        tl.store(st + BOUND, bound.to(tl.int32, bitcast=True))
+        tl.store(st + TICKET_A, 0)
+
+
+@triton.jit
+def _gather_kernel(
+    x_ptr,
+    len_ptr,
+    st_ptr,
+    cv_ptr,
+    ci_ptr,
+    val_ptr,
+    idx_ptr,
+    cnt_ptr,
+    N,
+    HN,
+    stride_x,
+    span,
+    k,
+    C,
+    BLOCK: tl.constexpr,
+    CB: tl.constexpr,
+    MC: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    HIST_MASK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Copies the keys at or above the bound to the row's candidate buffer in index order (each
+    CTA counts its own, publishes the count and adds up the earlier CTAs' counts: no chained
+    wait), then the row's last CTA selects exactly among the candidates."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    row = x_ptr + b.to(tl.int64) * stride_x
+    n, hist_n, keep = _row_extent(len_ptr, b, N, HN, k, HAS_LEN)
+    start = pid * span
+    stop = tl.minimum(start + span, n)
+    lim = _load_limit(start, span, N, stop)
+    first = start + tl.arange(0, BLOCK)
+    x0 = tl.load(row + first, mask=first < lim, other=0.0)  # scores are ready already
+    if PDL:
+        gdc_wait()  # the bound is published and visible
+    st = st_ptr + b.to(tl.int64) * WS_ROW
+    bound = tl.load(st + BOUND, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+    count = tl.sum(tl.zeros((BLOCK,), tl.int32), axis=0)
+    for off in range(start, stop, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        again = idx >= start + BLOCK  # the first block is still in registers
+        x = tl.where(again, tl.load(row + idx, mask=again & (idx < lim), other=0.0), x0)
+        count += tl.sum(((idx < stop) & (_keys(x) >= bound)).to(tl.int32), axis=0)
+    cnt = st + COUNTS
+    tl.atomic_xchg(cnt + pid, count + 1, sem="relaxed")  # 0 means "not counted yet"
+    base = count * 0
+    for c0 in range(0, pid, CB):
+        cc = c0 + tl.arange(0, CB)
+        earlier = cc < pid
+        v = tl.load(cnt + cc, mask=earlier, other=1, volatile=True)
+        while tl.min(v, axis=0) == 0:  # earlier CTAs started first: they are counting
+            v = tl.load(cnt + cc, mask=earlier, other=1, volatile=True)
+        base += tl.sum(v - 1, axis=0)
+    cv = cv_ptr + b.to(tl.int64) * (2 * N)  # the row's candidates: [values | indices]
+    ci = ci_ptr + b.to(tl.int64) * (2 * N) + N
+    running = base
+    for off in range(start, stop, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        again = idx >= start + BLOCK  # the first block is still in registers
+        x = tl.where(again, tl.load(row + idx, mask=again & (idx < lim), other=0.0), x0)
+        cand = (idx < stop) & (_keys(x) >= bound)
+        c = cand.to(tl.int32)
+        pos = running + tl.cumsum(c, axis=0) - c
+        put = cand & (pos < N)
+        tl.store(cv + pos, x, mask=put)
+        tl.store(ci + pos, idx, mask=put)
+        running += tl.sum(c, axis=0)
+    tl.debug_barrier()
+    if tl.atomic_add(st + TICKET, 1, sem="acq_rel") == C - 1:
+        total = base * 0
+        for c0 in range(0, C, CB):
+            cc = c0 + tl.arange(0, CB)
+            v = tl.load(cnt + cc, mask=cc < C, other=1, cache_modifier=".cg")
+            total += tl.sum(v - 1, axis=0)
+        count = tl.minimum(n, k)
+        p = tl.arange(0, MC)
+        v0 = tl.load(cv + p, mask=p < total, other=0.0, cache_modifier=".cg")
+        i0 = tl.load(ci + p, mask=p < total, other=0, cache_modifier=".cg")
+        if total > count:  # exact threshold key T among the candidates, byte by byte
+            p8, krem = _refine_top(cv, v0, total, count, MC, HIST_MASK)
+            p16, krem = _refine(cv, v0, total, p8, 16, krem, MC, HIST_MASK)
+            p24, krem = _refine(cv, v0, total, p16, 8, krem, MC, HIST_MASK)
+            thr, need = _refine(cv, v0, total, p24, 0, krem, MC, HIST_MASK)
+        else:  # exactly the candidates
+            thr = bound * 0
+            need = total
+        _emit(cv, ci, v0, i0, total, thr, need, count, val_ptr, idx_ptr, cnt_ptr, b, k, MC)
+        tl.store(st + TICKET, 0)
+        tl.store(st + BOUND, 0)
+        for c0 in range(0, C, MC):
+            p = c0 + tl.arange(0, MC)
+            tl.store(cnt + p, tl.zeros((MC,), tl.int32), mask=p < C)
 
 
 @triton.jit
@@ -417,9 +612,17 @@ def _split(n: int, b: int, block: int, device: torch.device, ctas: int | None) -
     """(CTAs per row, span per CTA, a multiple of ``block``): about four CTAs per SM in all."""
     most = max(1, triton.cdiv(n, block))
     c = ctas or triton.cdiv(4 * _sm_count(device), b)
-    c = max(1, min(c, most))
+    c = max(1, min(c, most, _MAX_CTAS))
     span = triton.cdiv(triton.cdiv(max(n, 1), c), block) * block
     return max(1, triton.cdiv(n, span)), span
+
+
+def _chunk_size(n: int, k: int, block: int) -> int:
+    """Entries per chunk maximum: about ``8k`` chunks per row. Then, for scores without order,
+    the bound lets through about ``1.07 k`` entries (``M ln(M / (M - k))`` for ``M`` chunks);
+    at worst (the top entries packed into ``k`` chunks) ``k`` chunks' worth."""
+    g = triton.next_power_of_2(max(1, n // (8 * k)))
+    return max(1, min(g, block))
 
 
 def _use_pdl(device: torch.device, pdl: bool | None) -> bool:
@@ -444,6 +647,8 @@ def lightning_topk(
     hist_mask: bool | None = None,
     workspace: torch.Tensor | None = None,
     pdl: bool | None = None,
+    algorithm: str = "bound",
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-``k`` of each row of ``scores`` ``(B, N)`` fp32 over its valid prefix ``lengths``
     ``(B,)`` (None: all ``N``). Returns ``(values, indices, counts)`` as
@@ -451,7 +656,9 @@ def lightning_topk(
     ``ctas`` (CTAs per row) and ``num_warps`` are launch knobs (benchmark sweeps); ``hist_mask``
     forces the histogram variant (None: masked when this Triton supports it); ``pdl``:
     programmatic dependent launch of the 2nd and 3rd kernels (None: on for CUDA capability >= 9
-    unless ``ADAPTERS_TOPK_PDL=0``).
+    unless ``ADAPTERS_TOPK_PDL=0``). ``algorithm``: ``"bound"`` (chunk maxima bound, two
+    launches) or ``"histogram"`` (two histogram passes, three launches); ``chunk``: entries per
+    chunk maximum of the bound algorithm (None: about ``N / 8k``).
 
     ``workspace``: an int32 buffer from `topk_workspace` (all zeros), reused across calls: the
     kernels leave it zeroed again, which saves the memset of a fresh one. Calls sharing one
@@ -481,11 +688,6 @@ def lightning_topk(
         raise ValueError(f"workspace must be int32 with at least {b} x {_WS_ROW} entries")
     else:
         ws = workspace
-    nn = max(n, 1)
-    # one scratch allocation: per-CTA counts (b, 256, c), then per row [values | indices] (2n)
-    scratch = torch.empty((b * (_NB * c + 2 * nn),), dtype=torch.int32, device=dev)
-    ge = scratch[: b * _NB * c]
-    cand = scratch[b * _NB * c :]
     has_len = lengths is not None
     lens = lengths.contiguous() if lengths is not None else counts
     use_pdl = _use_pdl(dev, pdl)
@@ -502,31 +704,37 @@ def lightning_topk(
     tail = dict(maxnreg=128) if dev.type == "cuda" and num_warps == 8 else {}
     stride = scores.stride(0)
     hn = n if n > k else 0  # the histogrammed length of every row when lengths is None
-    _hist1_kernel[grid](scores, lens, ws, n, hn, stride, span, k, **common)
-    _hist2_kernel[grid](scores, lens, ws, ge, n, hn, stride, span, k, c, **common, **follow)
+    nn = max(n, 1)
     mc = min(2048, max(1024, triton.next_power_of_2(k + k // 2)))  # the tail's chunk
-    _select_kernel[grid](
-        scores,
-        lens,
-        ws,
-        ge,
-        cand.view(torch.float32),
-        cand,
-        values,
-        indices,
-        counts,
-        n,
-        hn,
-        stride,
-        span,
-        k,
-        c,
-        CB=min(1024, triton.next_power_of_2(c)),
-        MC=mc,
-        **common,
-        **follow,
-        **tail,
-    )
+    cb = min(1024, triton.next_power_of_2(c))
+    if algorithm == "bound":
+        g = chunk or _chunk_size(n, k, block)
+        if g < 1 or g > block or g & (g - 1):
+            raise ValueError("chunk must be a power of two no larger than block")
+        m = c * span // g  # chunk maxima per row (every block's chunks)
+        # one scratch allocation: chunk maxima (b, m), then per row [values | indices] (2n)
+        scratch = torch.empty((b * (m + 2 * nn),), dtype=torch.int32, device=dev)
+        mx, cand = scratch[: b * m], scratch[b * m :]
+        mb = min(2048, max(16, triton.next_power_of_2(m)))
+        _bound_kernel[grid](
+            scores, lens, ws, mx, n, hn, stride, span, k, c, m, G=g, MB=mb, **common
+        )
+        _gather_kernel[grid](
+            scores, lens, ws, cand.view(torch.float32), cand, values, indices, counts,
+            n, hn, stride, span, k, c, CB=cb, MC=mc, **common, **follow, **tail,
+        )  # fmt: skip
+    elif algorithm == "histogram":
+        # one scratch allocation: per-CTA counts (b, 256, c), then per row [values | indices]
+        scratch = torch.empty((b * (_NB * c + 2 * nn),), dtype=torch.int32, device=dev)
+        ge, cand = scratch[: b * _NB * c], scratch[b * _NB * c :]
+        _hist1_kernel[grid](scores, lens, ws, n, hn, stride, span, k, **common)
+        _hist2_kernel[grid](scores, lens, ws, ge, n, hn, stride, span, k, c, **common, **follow)
+        _select_kernel[grid](
+            scores, lens, ws, ge, cand.view(torch.float32), cand, values, indices, counts,
+            n, hn, stride, span, k, c, CB=cb, MC=mc, **common, **follow, **tail,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"unknown algorithm {algorithm!r}: 'bound' or 'histogram'")
     if sorted:
         sort_topk(scores, values, indices, counts)
     return values, indices, counts
