@@ -567,10 +567,10 @@ class Bench:
             ]
             todo = [(b, n, k, kn) for kn in knobs_list]
             b32 = 32 if not self.smoke else 3
-            todo += [(b32, n, k, dict(ctas=c)) for c in ((2, 4, 8) if not self.smoke else (2,))] + [
-                (b32, n, k, dict(block=1024)),
-                (b32, n, k, dict(num_warps=4)),
-            ]
+            todo += [(b32, n, k, dict(ctas=c)) for c in ((4, 8, 32) if not self.smoke else (2,))]
+            todo += [(b32, n, k, dict(block=1024)), (b32, n, k, dict(num_warps=4))]
+            todo += [(b32, n, k, dict(algorithm="bound", ctas=c)) for c in (4, 8)]
+            todo += [(b, n, k, dict(algorithm="bound", chunk=128))]
             for b, n, k, knobs in todo if not self.smoke else todo[:1] + todo[-3:]:
                 shape = f"{b}x{n:,} k={k}"
                 x, _ = self._topk_input(b, n, k)
@@ -601,10 +601,9 @@ class Bench:
         self.variant(
             "topk", "lightning (index order)", shape, run, self._exact(run, x, k), None, base, **gm
         )
-        run = functools.partial(TK.lightning_topk, x, k, algorithm="histogram")
+        run = functools.partial(TK.lightning_topk, x, k, algorithm="bound")
         self.variant(
-            "topk", "lightning histogram (previous)", shape, run, self._exact(run, x, k), None,
-            base, **gm,
+            "topk", "lightning bound", shape, run, self._exact(run, x, k), None, base, **gm,
         )  # fmt: skip
         if targets:
             for label, hard in self._bound_hard_inputs(x, k).items():
@@ -613,9 +612,9 @@ class Bench:
                     "topk", f"lightning {label}", shape, run, self._exact(run, hard, k), None,
                     base, **gm,
                 )  # fmt: skip
-                run = functools.partial(TK.lightning_topk, hard, k, algorithm="histogram")
+                run = functools.partial(TK.lightning_topk, hard, k, algorithm="bound")
                 self.variant(
-                    "topk", f"lightning histogram {label}", shape, run,
+                    "topk", f"lightning bound {label}", shape, run,
                     self._exact(run, hard, k), None, base, optional=True, **gm,
                 )  # fmt: skip
             ws = TK.topk_workspace(b, dev)

@@ -486,11 +486,15 @@ def check_compress_errors(comp, _topk):
 
 
 def _same_topk(topk_mod, x, k, lengths=None, **knobs):
-    for sort in (False, True):
-        got = topk_mod.lightning_topk(x, k, lengths, sorted=sort, **knobs)
-        want = ref.topk_reference(x, k, lengths, sorted=sort)
-        for a, b, what in zip(got, want, ("values", "indices", "counts")):
-            assert a.dtype == b.dtype and torch.equal(a, b), (what, x.shape, k, knobs, sort)
+    """Both algorithms, index and value order, equal the reference."""
+    for algorithm in ("histogram", "bound"):
+        for sort in (False, True):
+            got = topk_mod.lightning_topk(x, k, lengths, sorted=sort, algorithm=algorithm, **knobs)
+            want = ref.topk_reference(x, k, lengths, sorted=sort)
+            for a, b, what in zip(got, want, ("values", "indices", "counts")):
+                assert a.dtype == b.dtype and torch.equal(a, b), (
+                    what, algorithm, x.shape, k, knobs, sort,
+                )  # fmt: skip
     return got
 
 
@@ -501,6 +505,14 @@ def check_topk_random(_comp, topk_mod):
     again = topk_mod.lightning_topk(x, 64, sorted=True, block=256)
     assert all(torch.equal(a, b) for a, b in zip(first, again))  # deterministic
     _same_topk(topk_mod, x[:1], 100, block=128, ctas=7)  # 7 CTAs, ragged last span
+    for chunk in (1, 16, 128):  # bound: chunk maxima of 1 (the entries), 16, a whole block
+        _same_topk(topk_mod, x, 64, block=128, chunk=chunk)
+    for bad in (dict(chunk=3), dict(chunk=256), dict(algorithm="sort")):
+        try:
+            topk_mod.lightning_topk(x, 8, block=128, **bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"expected ValueError for {bad}")
     _same_topk(topk_mod, x[:, :1000].double() * 1e30, 50, block=512, num_warps=2)  # fp64 in
     xs = x[:, ::2]  # strided rows
     _same_topk(topk_mod, xs, 33, block=256)
