@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 
@@ -19,7 +18,7 @@ from .tokenizer import ByteTokenizer
 def build_runner(args: argparse.Namespace) -> Runner:
     model = preset(args.model)
     if args.layers:
-        model = dataclasses.replace(model, compress_ratios=model.compress_ratios[: args.layers])
+        model = model.first_layers(args.layers)
     cache = model.cache_config(
         page_size=args.page_size, full_capacity=args.full_tokens, swa_capacity=args.swa_tokens
     )
