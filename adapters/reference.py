@@ -181,14 +181,14 @@ def reference_tail_only_logits(
 
 @torch.no_grad()
 def reference_tail_only_generate(
-    weights: ModelWeights, prompt: list[int], chunk_lens: Sequence[int], max_new_tokens: int
+    weights: ModelWeights, prompt: list[int], computed: Sequence[bool], max_new_tokens: int
 ) -> list[int]:
-    """Greedy continuation after a tail-only prefill of ``prompt`` in chunks of ``chunk_lens``
-    (decode positions are computed in every layer); slow, tests only."""
-    if sum(chunk_lens) != len(prompt):
-        raise ValueError("chunk_lens must add up to the prompt length")
-    seq, computed = list(prompt), tail_only_computed(chunk_lens, weights.config.window)
+    """Greedy continuation after a tail-only prefill of ``prompt`` that computed the positions
+    flagged in ``computed`` past the last KV source (`tail_only_computed` of its chunks; with a
+    reused prefix, the flags of whoever computed it); decode positions are computed in every
+    layer. Slow, tests only."""
+    seq, flags = list(prompt), list(computed)
     for _ in range(max_new_tokens):
-        seq.append(int(reference_tail_only_logits(weights, seq, computed)[-1].argmax()))
-        computed.append(True)
+        seq.append(int(reference_tail_only_logits(weights, seq, flags)[-1].argmax()))
+        flags.append(True)
     return seq[len(prompt) :]
