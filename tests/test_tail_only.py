@@ -111,10 +111,14 @@ def test_tail_only_differs_from_the_exact_model() -> None:
 
 
 def test_tail_only_needs_kv_sources() -> None:
+    """The cut needs a last KV source; the oracle never compresses a partial sequence."""
     plain = SHARED.unshared()
     ids = torch.tensor(TOKENS[:8])
     with pytest.raises(ValueError, match="kv_sources"):
         forward_tail_only(weights(plain), ids, torch.arange(8), DenseKeys(plain, 8), ids[:2])
+    comp = weights(SHARED).layers[1].compressor
+    with pytest.raises(ValueError, match="whole sequence"):
+        DenseKeys(SHARED, 8).compress(torch.zeros(5, SHARED.hidden, dtype=torch.float64), comp, 4)
 
 
 # -- paged == oracle (float64, bit for bit) --------------------------------------------------------
@@ -313,3 +317,32 @@ def test_prompt_logprobs_equal_the_reference() -> None:
     assert r2.prompt_logprobs == want[80] and r2.cached_tokens == 0
     assert r3.prompt_logprobs is None and r3.cached_tokens > 0
     assert r1.output == reference_generate(w, p1, 3) and r2.output == r3.output
+
+
+# -- the benchmark stays runnable ----------------------------------------------------------------
+
+
+def test_tail_only_bench_runs(tmp_path) -> None:
+    """bench/tail_only.py on a short prompt (no timing asserted): tokens were skipped, the
+    divergence and the memory saving are reported, the JSON is written."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "tail_only.py"
+    spec = importlib.util.spec_from_file_location("tail_only_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["tail_only_bench"] = bench
+    spec.loader.exec_module(bench)
+    out = tmp_path / "tail.json"
+    argv = ["--device", "cpu", "--prompt-len", "200", "--requests", "1", "--chunk-tokens", "160"]
+    argv += ["--decode-tokens", "2", "--repeats", "1", "--page-size", "16", "--json", str(out)]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["skipped_token_fraction"] == pytest.approx((160 - 128) / 200)
+    assert result["exact_prefill_s"] > 0 and result["tail_only_prefill_s"] > 0
+    assert result["approximate_flagged"] == 1.0 and result["max_logit_diff"] > 0
+    saving = {m["model"]: m["cached_token_saving"] for m in result["memory"]}
+    assert saving["tiny-shared"] > 0.7 and saving["flash-shared"] > 0.7
