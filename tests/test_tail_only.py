@@ -346,3 +346,18 @@ def test_tail_only_bench_runs(tmp_path) -> None:
     assert result["approximate_flagged"] == 1.0 and result["max_logit_diff"] > 0
     saving = {m["model"]: m["cached_token_saving"] for m in result["memory"]}
     assert saving["tiny-shared"] > 0.7 and saving["flash-shared"] > 0.7
+
+
+def test_cli_tail_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """``shadowradix run --tail-only`` on a shared preset reports what it skipped; on a model
+    without sharing it exits 2 with the reason."""
+    from adapters.cli import main
+
+    prompt = "x" * 300  # one 256-token chunk, then 45 tokens (+ BOS)
+    argv = ["run", prompt, "--model", "tiny-shared", "--device", "cpu", "--max-new-tokens", "2"]
+    assert main(argv + ["--tail-only", "--quiet", "--full-tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "tail-only prefill: 128 tokens skipped after layer 2 in 1 forwards" in out
+    assert "1 of 1 results approximate" in out
+    assert main(["run", "x", "--device", "cpu", "--tail-only"]) == 2
+    assert "kv_sources" in capsys.readouterr().err
