@@ -324,11 +324,9 @@ class Runner:
                 if not self._preempt():
                     raise
 
-    def _forward(
-        self, seqs: list[_Seq], chunks: list[list[int]], alloc, rows: list[int], tail: bool = False
-    ):
-        """Logits of the flat token ``rows`` of one forward over ``chunks``; ``tail``: a
-        prefill forward of a tail-only runner (``rows`` must be chunk ends)."""
+    def _forward(self, seqs: list[_Seq], chunks: list[list[int]], alloc, rows: list[int]):
+        """Logits of the flat token ``rows`` of one forward over ``chunks``. A tail-only runner
+        runs chunks longer than the window tail-only (``rows`` are then chunk ends)."""
         t0 = time.perf_counter()
         plans = [self.cache.read_plan(s.req, start=st) for s, st in zip(seqs, alloc.starts)]
         flat = np.fromiter((t for c in chunks for t in c), np.int64)
@@ -336,7 +334,7 @@ class Runner:
         if self.offload is not None:
             self.offload.drain()  # every page the forward plans for is unpinned
             self.offload.begin_step(step.streams[4].entry_slots_np)
-        tail_rows = self._tail_rows(chunks) if tail else None
+        tail_rows = self._tail_rows(chunks) if self.tail_only else None
         if tail_rows is not None:
             rows = np.searchsorted(tail_rows, rows).tolist()  # chunk ends are tail rows
         logit_rows = torch.tensor(rows, device=self.device, dtype=torch.long)
@@ -407,7 +405,7 @@ class Runner:
         last = [len(s.req.prompt_remaining) == 0 for s in seqs]
         spans = self._logit_spans(seqs, chunks, last)
         rows = [r for span in spans for r in span]
-        logits = self._forward(seqs, chunks, alloc, rows, tail=self.tail_only)
+        logits = self._forward(seqs, chunks, alloc, rows)
         self.stats.prefill_tokens += sum(len(c) for c in chunks)
         if self.tail_only:
             self._count_tail(seqs, chunks)

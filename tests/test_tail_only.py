@@ -213,15 +213,14 @@ def poison_holes(runner: Runner) -> None:
 def record_chunks(runner: Runner) -> dict[int, list[int]]:
     """Spies on the runner's prefill forwards: chunk sizes per request id, in order."""
     sizes: dict[int, list[int]] = {}
-    forward = runner._forward
+    count = runner._count_tail  # called once per prefill forward of a tail-only runner
 
-    def spy(seqs, chunks, alloc, rows, tail=False):
+    def spy(seqs, chunks):
         for seq, chunk in zip(seqs, chunks):
-            if tail:
-                sizes.setdefault(seq.result.request_id, []).append(len(chunk))
-        return forward(seqs, chunks, alloc, rows, tail)
+            sizes.setdefault(seq.result.request_id, []).append(len(chunk))
+        count(seqs, chunks)
 
-    runner._forward = spy  # type: ignore[method-assign]
+    runner._count_tail = spy  # type: ignore[method-assign]
     return sizes
 
 
