@@ -29,7 +29,11 @@ def add_run_parser(sub) -> None:
     run = sub.add_parser("run", help="decode prompts end to end with the embedded model")
     run.add_argument("prompts", nargs="*", help="prompt texts (default: a built-in chat set)")
     run.add_argument("--file", help="read prompts from a file, one per line")
-    run.add_argument("--model", default="tiny", help="model preset: tiny | flash-shaped")
+    run.add_argument(
+        "--model",
+        default="tiny",
+        help="model preset: tiny | flash-shaped | tiny-shared | flash-shared",
+    )
     run.add_argument("--layers", type=int, help="keep only the first N layers of the preset")
     run.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     run.add_argument("--max-new-tokens", type=int, default=48)
@@ -44,6 +48,11 @@ def add_run_parser(sub) -> None:
         "--hisparse-pages",
         type=int,
         help="keep C4 KV in host memory with this many device pages per C4 layer",
+    )
+    run.add_argument(
+        "--tail-only",
+        action="store_true",
+        help="decoder-side tail-only prefill (a *-shared model; approximate, docs/sharing.md)",
     )
     run.add_argument(
         "--arrival-steps",

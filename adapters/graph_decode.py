@@ -13,7 +13,7 @@ uploads the few new page ids, not the tables.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -69,6 +69,7 @@ class DecodeMeta:
     window_slots: torch.Tensor
     window_mask: torch.Tensor
     streams: dict[int, StreamMeta]
+    late_window_mask: torch.Tensor | None = None  # tail-only: layers after the last KV source
 
 
 class DecodeBuffers:
@@ -159,6 +160,7 @@ def decode_metadata(
     streams = {}
     for s in cache.streams:
         r, ring_len = s.ratio, s.ring_len
+        # the first layer of a ratio is a KV source (ModelConfig validates it): it owns pools
         any_layer = next(i for i, x in enumerate(cache.compress_ratios) if x == r)
         ring_sentinel = pools.sentinel(pools.ring[any_layer])
         comp_sentinel = pools.sentinel(pools.compressed[any_layer])
@@ -197,27 +199,34 @@ def decode_metadata(
 
 
 class GraphKeys:
-    """`KeySource` of one decode step over `DecodeMeta`."""
+    """`KeySource` of one decode step over `DecodeMeta`. V4.1 sharing as in `PagedKeys`:
+    KV-source layers compress, consumers read their source's pools; index sources publish
+    their selection, other C4 layers reuse it."""
 
     def __init__(self, weights: ModelWeights, pools: KVPools, meta: DecodeMeta) -> None:
         self.cfg, self.pools, self.meta = weights.config, pools, meta
+        self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def attend(self, layer: LayerInput) -> torch.Tensor:
         cfg, m, i = self.cfg, self.meta, layer.index
         swa = self.pools.swa[i]
         swa[m.swa_new] = layer.kv.to(swa.dtype)
         keys, mask = swa[m.window_slots], m.window_mask
+        last = cfg.last_kv_source
+        if m.late_window_mask is not None and last is not None and i > last:
+            mask = m.late_window_mask
         ratio = layer.weights.ratio
         if ratio:
-            sm = m.streams[ratio]
-            comp = layer.weights.compressor
-            assert comp is not None
-            self._compress(layer, comp, sm, self.pools.ring[i], self.pools.compressed[i])
+            sm, source = m.streams[ratio], cfg.kv_source_of(i)
+            if source == i:
+                comp = layer.weights.compressor
+                assert comp is not None
+                self._compress(layer, comp, sm, self.pools.ring[i], self.pools.compressed[i])
             if cfg.is_sparse(ratio):
                 slots, vis = self._select(layer, sm)
-                entries = self.pools.compressed[i][slots]
+                entries = self.pools.compressed[source][slots]
             else:
-                entries, vis = sm.all_entries(self.pools.compressed[i]), sm.visible
+                entries, vis = sm.all_entries(self.pools.compressed[source]), sm.visible
             keys = torch.cat((keys, entries), dim=1)
             mask = torch.cat((mask, vis), dim=1)
         return ops.sink_attention(layer.q, keys, mask, layer.weights.sink, cfg.scale)
@@ -256,19 +265,24 @@ class GraphKeys:
 
     def _select(self, layer: LayerInput, sm: StreamMeta):
         cfg, i = self.cfg, layer.index
-        idx = layer.weights.indexer
+        if not cfg.runs_indexer(i):
+            return self.selection[cfg.index_source_of(i)]
+        idx, source = layer.weights.indexer, cfg.kv_source_of(i)
         assert idx is not None
-        self._compress(
-            layer, idx.compressor, sm, self.pools.index_ring[i], self.pools.index_keys[i]
-        )
+        if source == i:
+            assert idx.compressor is not None
+            self._compress(
+                layer, idx.compressor, sm, self.pools.index_ring[i], self.pools.index_keys[i]
+            )
         n = layer.x.shape[0]
-        keys = sm.all_entries(self.pools.index_keys[i])  # (B, G, di)
+        keys = sm.all_entries(self.pools.index_keys[source])  # (B, G, di)
         q = (layer.x @ idx.w_q).view(n, cfg.index_heads, cfg.index_dim)
         q = ops.rope(q, layer.positions, cfg.rope_dim, cfg.rope_theta)
         scores = ops.index_scores(q, layer.x @ idx.w_weight, keys)
         scores = scores.masked_fill(~sm.visible, float("-inf"))
         values, chosen = ops.topk_lowest_index(scores, min(cfg.index_topk, scores.shape[1]))
-        return sm.entry_slots(chosen), torch.isfinite(values)
+        self.selection[i] = (sm.entry_slots(chosen), torch.isfinite(values))
+        return self.selection[i]
 
 
 def _bucket(n: int, lo: int) -> int:
@@ -299,6 +313,10 @@ class GraphDecoder:
     def _run(self, batch: int, context: int) -> torch.Tensor:
         meta = decode_metadata(self.cache, self.pools, self.buffers, context)
         meta = _slice_batch(meta, batch)
+        valid = self.pools.late_swa_valid
+        if valid is not None:  # tail-only prefill left holes in the later layers' SWA
+            valid[meta.swa_new] = True
+            meta = replace(meta, late_window_mask=meta.window_mask & valid[meta.window_slots])
         keys = GraphKeys(self.weights, self.pools, meta)
         return forward(self.weights, self.buffers.tokens[:batch], meta.positions, keys)
 

@@ -37,6 +37,14 @@ class KeySource(Protocol):
         ...
 
 
+class TailKeys(KeySource, Protocol):
+    def restrict(self, rows: torch.Tensor) -> KeySource:
+        """The same step's keys for the queries ``rows`` only, carrying what earlier layers
+        published (selections to reuse): tail-only prefill runs the layers after the last KV
+        source over fewer tokens."""
+        ...
+
+
 def embed(weights: ModelWeights, tokens: torch.Tensor) -> torch.Tensor:
     """Residual streams ``(N, S, D)``: the token embedding on every stream."""
     x = weights.embed[tokens]
@@ -96,3 +104,33 @@ def compress_rows(
     """Entries ``(E, dim)`` from gathered in-flight rows ``(E, R, 2*width)`` of groups."""
     pooled = ops.pool_groups(rows, cfg.is_overlap(ratio), ratio)
     return ops.finish_entries(pooled, norm, groups, ratio, rope_dim, cfg.rope_theta, cfg.norm_eps)
+
+
+def forward_tail_only(
+    weights: ModelWeights,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    keys: TailKeys,
+    tail_rows: torch.Tensor,
+    logit_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decoder-side tail-only forward (V4.1 bounded replay, an approximation): the layers up to
+    the last KV-source layer run over every new token, the later layers over ``tail_rows``
+    only (the other tokens stop there). Logits ``(len(logit_rows), V)``, ``logit_rows``
+    indexing into ``tail_rows`` (all of them when ``None``). Raises `ValueError` for a model
+    without KV sources."""
+    cfg = weights.config
+    if cfg.last_kv_source is None:
+        raise ValueError("tail-only needs cross-layer sharing: the model has no kv_sources")
+    cut = cfg.last_kv_source + 1
+    streams = embed(weights, tokens)
+    for i in range(cut):
+        streams = layer_forward(cfg, i, weights.layers[i], streams, positions, keys)
+    streams, positions = streams[tail_rows], positions[tail_rows]
+    late = keys.restrict(tail_rows)
+    for i in range(cut, cfg.num_layers):
+        streams = layer_forward(cfg, i, weights.layers[i], streams, positions, late)
+    if logit_rows is not None:
+        streams = streams[logit_rows]
+    final = ops.rms_norm(streams.mean(dim=1), weights.final_norm, cfg.norm_eps)
+    return (final @ weights.head).float()

@@ -1,6 +1,7 @@
 """HiSparse adapter: the C4 KV of every C4 layer in a host mirror with a small device buffer.
 
-The pure `hisparse.Coordinator` plans; this module executes. Per C4 layer:
+The pure `hisparse.Coordinator` plans; this module executes. Per C4 KV-source layer (every C4
+layer without V4.1 sharing; consumer C4 layers read their source's mirror and buffer):
 
 * ``host[layer]``: ``(host pages, entries_per_page, d)`` — the whole C4 pool, indexed by virtual
   page (pinned CPU memory on CUDA). Requests sharing a cached prefix share virtual pages, hence
@@ -18,6 +19,9 @@ One `exchange` per C4 layer and step, in this order (the coordinator's contract)
 5. back the written pages up device -> host on the side stream (completed later, so the host
    mirror is updated only once the copy landed);
 6. gather the read entries through the translated slots.
+
+A consumer layer (V4.1 sharing) runs a `read` of its source's buffer after the source's
+exchange in the same step: a plan with no writes.
 
 On the CPU every copy is synchronous and completes at once (the same code path CI tests).
 The indexer keys stay resident in the ordinary pools: the indexer scores every entry each step.
@@ -74,7 +78,7 @@ class C4Offload:
     ) -> None:
         if 4 not in model.ratios or cache.page_size < 4:
             raise ValueError("HiSparse needs C4 layers and a page size >= 4")
-        self.layers = [i for i, r in enumerate(model.compress_ratios) if r == 4]
+        self.layers = [i for i in model.kv_source_layers if model.compress_ratios[i] == 4]
         self.spp = cache.stream(4).slots_per_page
         self.device, self.dtype = device, dtype
         host_pages = cache.max_full_pages
@@ -173,6 +177,15 @@ class C4Offload:
         self.stats.exchanges += 1
         self.stats.read_pages += len(np.unique(read_np // spp))
         return buf[torch.from_numpy(dev_rows).to(self.device)]
+
+    def read(self, layer: int, read_slots: torch.Tensor, read_valid: torch.Tensor) -> torch.Tensor:
+        """`exchange` with nothing to write: a consumer layer's read of source ``layer``'s
+        entries. The copies the source's exchange issued this step pin their pages, so they
+        are completed first (on CUDA a wait; on the CPU there are none): the plan gets the
+        whole buffer, which the runner sized for one layer-step's working set."""
+        self.drain()
+        empty = np.zeros(0, dtype=np.int64)
+        return self.exchange(layer, empty, read_valid.new_zeros(0), read_slots, read_valid)
 
     def _width(self, layer: int) -> int:
         return self.buffer[layer].shape[-1]

@@ -8,7 +8,7 @@ compress completed groups into their slots, then read window and entries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,7 +17,7 @@ import torch
 from shadowradix import Allocation, ReadPlan, StreamWrites
 
 from . import ops
-from .model import LayerInput, compress_rows, forward
+from .model import LayerInput, compress_rows, forward, forward_tail_only
 from .model_config import ModelConfig
 from .pools import KVPools
 from .weights import Compressor, ModelWeights
@@ -53,6 +53,20 @@ class PagedStep:
     window_slots: torch.Tensor  # (N, W)
     window_mask: torch.Tensor  # (N, W)
     streams: dict[int, StreamStep]
+
+    def restrict(self, rows: torch.Tensor) -> PagedStep:
+        """The step's per-query tensors for the queries ``rows`` only (tail-only prefill). The
+        write-side tensors of the streams stay: layers after the last KV source write none."""
+        streams = {r: replace(s, visible=s.visible[rows]) for r, s in self.streams.items()}
+        return PagedStep(
+            tokens=self.tokens[rows],
+            positions=self.positions[rows],
+            token_request=self.token_request[rows],
+            swa_slots=self.swa_slots[rows],
+            window_slots=self.window_slots[rows],
+            window_mask=self.window_mask[rows],
+            streams=streams,
+        )
 
 
 def _window(plans: list[ReadPlan], req: np.ndarray, pos: np.ndarray, window: int):
@@ -155,40 +169,69 @@ def build_step(
 
 class PagedKeys:
     """`KeySource` over the pools for one `PagedStep`. With ``offload`` (HiSparse), the C4 KV
-    of C4 layers lives in its host mirror / device buffer instead of ``pools.compressed``."""
+    of C4 KV-source layers lives in its host mirror / device buffer instead of
+    ``pools.compressed``.
+
+    V4.1 sharing: a KV-source layer compresses into its pools; a consumer layer reads its
+    source's pools and compresses nothing. An index-source layer scores against its KV source's
+    indexer keys and publishes its selection for the step; other C4 layers reuse it. With
+    ``pools.late_swa_valid`` (tail-only), windows of the layers after the last KV source are
+    masked to the SWA slots those layers hold."""
 
     def __init__(
         self, model: ModelConfig, pools: KVPools, step: PagedStep, offload: C4Offload | None = None
     ) -> None:
         self.model, self.pools, self.step, self.offload = model, pools, step, offload
+        self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._late_mask: torch.Tensor | None = None
+
+    def restrict(self, rows: torch.Tensor) -> PagedKeys:
+        keys = PagedKeys(self.model, self.pools, self.step.restrict(rows), self.offload)
+        keys.selection = {i: (s[rows], m[rows]) for i, (s, m) in self.selection.items()}
+        return keys
 
     def attend(self, layer: LayerInput) -> torch.Tensor:
         cfg, st, i = self.model, self.step, layer.index
         swa = self.pools.swa[i]
         swa[st.swa_slots] = layer.kv.to(swa.dtype)
-        keys, mask = swa[st.window_slots], st.window_mask
-        ratio = layer.weights.ratio
-        if ratio:
-            ss = st.streams[ratio]
+        keys, mask = swa[st.window_slots], self._window_mask(i)
+        if layer.weights.ratio:
+            entries, visible = self._entries(layer)
+            keys = torch.cat((keys, entries), dim=1)
+            mask = torch.cat((mask, visible), dim=1)
+        return ops.sink_attention(layer.q, keys, mask, layer.weights.sink, cfg.scale)
+
+    def _window_mask(self, layer: int) -> torch.Tensor:
+        st, valid, last = self.step, self.pools.late_swa_valid, self.model.last_kv_source
+        if valid is None or last is None or layer <= last:
+            return st.window_mask
+        if self._late_mask is None:
+            self._late_mask = st.window_mask & valid[st.window_slots]
+        return self._late_mask
+
+    def _entries(self, layer: LayerInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compressed entries ``(N, K, d)`` the layer's queries read, and their mask: every
+        complete entry (dense ratios) or the top-k selection (C4), from the KV source's pool,
+        which a source layer first extends with the step's completed groups."""
+        cfg, i, ratio = self.model, layer.index, layer.weights.ratio
+        ss, source = self.step.streams[ratio], cfg.kv_source_of(i)
+        offloaded = self.offload is not None and source in self.offload.buffer
+        new = None
+        if source == i:
             comp = layer.weights.compressor
             assert comp is not None
-            slots = ss.read_slots[st.token_request]  # (N, G): every complete entry
-            if self.offload is not None and i in self.offload.buffer:
-                entries = self._compress(layer, comp, ss, self.pools.ring[i], None)
-                slots, chosen_mask = self._select(layer, ss, slots)
-                chosen = self.offload.exchange(i, ss.entry_slots_np, entries, slots, chosen_mask)
-                keys = torch.cat((keys, chosen), dim=1)
-                mask = torch.cat((mask, chosen_mask), dim=1)
-                return ops.sink_attention(layer.q, keys, mask, layer.weights.sink, cfg.scale)
-            self._compress(layer, comp, ss, self.pools.ring[i], self.pools.compressed[i])
-            if cfg.is_sparse(ratio):
-                slots, chosen_mask = self._select(layer, ss, slots)
-                keys = torch.cat((keys, self.pools.compressed[i][slots]), dim=1)
-                mask = torch.cat((mask, chosen_mask), dim=1)
-            else:
-                keys = torch.cat((keys, self.pools.compressed[i][slots]), dim=1)
-                mask = torch.cat((mask, ss.visible), dim=1)
-        return ops.sink_attention(layer.q, keys, mask, layer.weights.sink, cfg.scale)
+            pool = None if offloaded else self.pools.compressed[i]
+            new = self._compress(layer, comp, ss, self.pools.ring[i], pool)
+        slots = ss.read_slots[self.step.token_request]  # (N, G): every complete entry
+        if not cfg.is_sparse(ratio):
+            return self.pools.compressed[source][slots], ss.visible
+        slots, chosen_mask = self._select(layer, ss, slots)
+        if self.offload is not None and offloaded:
+            if new is None:  # a consumer: reads the source's buffer, writes nothing
+                return self.offload.read(source, slots, chosen_mask), chosen_mask
+            chosen = self.offload.exchange(i, ss.entry_slots_np, new, slots, chosen_mask)
+            return chosen, chosen_mask
+        return self.pools.compressed[source][slots], chosen_mask
 
     def _compress(
         self,
@@ -221,21 +264,28 @@ class PagedKeys:
         return ent
 
     def _select(self, layer: LayerInput, ss: StreamStep, slots: torch.Tensor):
-        """Slots of the indexer's top-k entries per token, and which of them are real."""
+        """Slots of the top-k entries per token, and which of them are real: the layer's own
+        indexer over its KV source's keys (a source first stores the step's keys), published
+        for reuse; or the selection of its index source."""
         cfg, i = self.model, layer.index
-        idx = layer.weights.indexer
+        if not cfg.runs_indexer(i):
+            return self.selection[cfg.index_source_of(i)]
+        idx, source = layer.weights.indexer, cfg.kv_source_of(i)
         assert idx is not None
-        self._compress(
-            layer, idx.compressor, ss, self.pools.index_ring[i], self.pools.index_keys[i]
-        )
+        if source == i:
+            assert idx.compressor is not None
+            self._compress(
+                layer, idx.compressor, ss, self.pools.index_ring[i], self.pools.index_keys[i]
+            )
         n = layer.x.shape[0]
-        keys = self.pools.index_keys[i][slots]
+        keys = self.pools.index_keys[source][slots]
         q = (layer.x @ idx.w_q).view(n, cfg.index_heads, cfg.index_dim)
         q = ops.rope(q, layer.positions, cfg.rope_dim, cfg.rope_theta)
         scores = ops.index_scores(q, layer.x @ idx.w_weight, keys)
         scores = scores.masked_fill(~ss.visible, float("-inf"))
         values, indices = ops.topk_lowest_index(scores, min(cfg.index_topk, scores.shape[1]))
-        return torch.gather(slots, 1, indices), torch.isfinite(values)
+        self.selection[i] = (torch.gather(slots, 1, indices), torch.isfinite(values))
+        return self.selection[i]
 
 
 @torch.no_grad()
@@ -247,5 +297,29 @@ def run_step(
     offload: C4Offload | None = None,
 ) -> torch.Tensor:
     """Runs the layers over the step's new tokens; returns logits of ``logit_rows``."""
+    if pools.late_swa_valid is not None:  # every layer computes every token
+        pools.late_swa_valid[step.swa_slots] = True
     keys = PagedKeys(weights.config, pools, step, offload)
     return forward(weights, step.tokens, step.positions, keys, logit_rows)
+
+
+@torch.no_grad()
+def run_tail_only_step(
+    weights: ModelWeights,
+    pools: KVPools,
+    step: PagedStep,
+    tail_rows: torch.Tensor,
+    logit_rows: torch.Tensor | None,
+    offload: C4Offload | None = None,
+) -> torch.Tensor:
+    """Tail-only prefill (`model.forward_tail_only`): the layers after the last KV source run
+    over ``tail_rows`` only; ``logit_rows`` index into ``tail_rows``. Marks in
+    ``pools.late_swa_valid`` (required) which SWA slots those layers now hold: the tail's,
+    not the other tokens' (whatever a reused slot held before is never read)."""
+    valid = pools.late_swa_valid
+    if valid is None:
+        raise ValueError("tail-only steps need KVPools(track_late_swa=True)")
+    valid[step.swa_slots] = False
+    valid[step.swa_slots[tail_rows]] = True
+    keys = PagedKeys(weights.config, pools, step, offload)
+    return forward_tail_only(weights, step.tokens, step.positions, keys, tail_rows, logit_rows)

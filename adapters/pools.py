@@ -4,10 +4,12 @@ Every tensor has one extra *sentinel* row at the end (index ``capacity``): fixed
 CUDA-graph decode) sends the writes of padding rows and of groups that did not complete there,
 and never reads it unmasked. The core never hands out that index.
 
-Per layer: an SWA pool (one latent per SWA slot). Per compressed layer: its compressed KV pool
-(one entry per compressed slot of its stream) and its in-flight ring (one fp32 row per ring row:
-``[kv | score]`` of one token, both halves doubled under the C4 overlap). Per C4 layer also the
-indexer's own compressed keys and ring.
+Per layer: an SWA pool (one latent per SWA slot). Per KV-source layer (every compressed layer
+without V4.1 sharing; `ModelConfig.kv_sources` with it): its compressed KV pool (one entry per
+compressed slot of its stream) and its in-flight ring (one fp32 row per ring row: ``[kv |
+score]`` of one token, both halves doubled under the C4 overlap). Per C4 KV-source layer also
+the indexer's own compressed keys and ring. Consumer layers own no compressed pool: they read
+their source's (``compressed[model.kv_source_of(layer)]``).
 """
 
 from __future__ import annotations
@@ -38,9 +40,54 @@ def _row_width(model: ModelConfig, ratio: int, dim: int) -> int:
     return 2 * dim * (2 if model.is_overlap(ratio) else 1)
 
 
+@dataclass(frozen=True)
+class TokenBytes:
+    """Pool bytes one token costs, all layers together (`bytes_per_token`)."""
+
+    compressed: float  # per cached token: compressed KV of every KV-source layer
+    index: float  # per cached token: indexer keys of every C4 KV-source layer
+    swa: float  # per SWA-resident token: the window latent of every layer
+    rings: float  # per SWA-resident token: in-flight rows of every KV-source layer
+
+    @property
+    def per_cached_token(self) -> float:
+        """What a cached prefix costs per token for as long as it stays cached."""
+        return self.compressed + self.index
+
+    @property
+    def per_swa_token(self) -> float:
+        """What a token costs while it is in a window (at most window + a page per request)."""
+        return self.swa + self.rings
+
+
+def bytes_per_token(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> TokenBytes:
+    """Pool bytes per token with KV in ``dtype`` (rings fp32, fp64 in exact mode), sentinel rows
+    ignored. V4.1 sharing saves the compressed KV and indexer keys of every consumer layer (and
+    its rings); window KV stays per layer."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    state = 8 if dtype == torch.float64 else 4
+    p = cache.page_size
+    compressed = index = rings = 0.0
+    for layer in model.kv_source_layers:
+        ratio = model.compress_ratios[layer]
+        spec = cache.stream(ratio)
+        entries, rows = spec.slots_per_page / p, spec.ring_len / p
+        compressed += entries * model.head_dim * elem
+        rings += rows * _row_width(model, ratio, model.head_dim) * state
+        if model.is_sparse(ratio):
+            index += entries * model.index_dim * elem
+            rings += rows * _row_width(model, ratio, model.index_dim) * state
+    swa = model.num_layers * model.head_dim * elem
+    return TokenBytes(compressed=compressed, index=index, swa=swa, rings=rings)
+
+
 class KVPools:
     """Every pool tensor of one model. ``state_dtype`` (the rings) is fp32 unless the model runs
-    in fp64 (exact tests). ``offload_c4``: no device C4 KV pool (`C4Offload` holds it)."""
+    in fp64 (exact tests). ``offload_c4``: no device C4 KV pool (`C4Offload` holds it).
+
+    ``track_late_swa`` (tail-only prefill): ``late_swa_valid[slot]`` says whether the layers
+    after the last KV source hold the latent of SWA ``slot``. Tail-only prefill writes those
+    layers' SWA only for the last W tokens of each chunk; reads of the others are masked."""
 
     def __init__(
         self,
@@ -49,6 +96,7 @@ class KVPools:
         device: torch.device | str,
         dtype: torch.dtype,
         offload_c4: bool = False,
+        track_late_swa: bool = False,
     ) -> None:
         if cache.window != model.window or cache.compress_ratios != model.compress_ratios:
             raise ValueError("cache config does not match the model (window / compress_ratios)")
@@ -61,9 +109,8 @@ class KVPools:
         self.ring: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
         self.index_ring: dict[int, torch.Tensor] = {}
-        for layer, ratio in enumerate(model.compress_ratios):
-            if not ratio:
-                continue
+        for layer in model.kv_source_layers:
+            ratio = model.compress_ratios[layer]
             slots, rows = cache.compressed_capacity(ratio), cache.ring_capacity(ratio)
             if not (offload_c4 and ratio == 4):  # HiSparse keeps C4 KV in its host mirror
                 self.compressed[layer] = self._zeros(slots, model.head_dim)
@@ -73,6 +120,9 @@ class KVPools:
                 self.index_ring[layer] = self._state(
                     rows, _row_width(model, ratio, model.index_dim)
                 )
+        self.late_swa_valid: torch.Tensor | None = None
+        if track_late_swa:
+            self.late_swa_valid = torch.zeros(swa_slots + 1, device=self.device, dtype=torch.bool)
 
     def _zeros(self, rows: int, width: int) -> torch.Tensor:
         return torch.zeros(rows + 1, width, device=self.device, dtype=self.dtype)

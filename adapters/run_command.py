@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 
@@ -19,7 +18,7 @@ from .tokenizer import ByteTokenizer
 def build_runner(args: argparse.Namespace) -> Runner:
     model = preset(args.model)
     if args.layers:
-        model = dataclasses.replace(model, compress_ratios=model.compress_ratios[: args.layers])
+        model = model.first_layers(args.layers)
     cache = model.cache_config(
         page_size=args.page_size, full_capacity=args.full_tokens, swa_capacity=args.swa_tokens
     )
@@ -30,6 +29,7 @@ def build_runner(args: argparse.Namespace) -> Runner:
         chunk_tokens=args.chunk_tokens,
         max_running=args.max_running,
         hisparse_pages=args.hisparse_pages,
+        tail_only=args.tail_only,
     )
 
 
@@ -100,6 +100,13 @@ def summary(runner: Runner, results: list[GenerationResult], wall: float) -> str
             f"HiSparse: {runner.offload.device_pages} device pages per C4 layer, reads hit "
             f"{hs.read_hits / max(1, hs.reads):.1%}, {hs.swap_ins} swap-ins, {hs.evictions} "
             f"evictions, {hs.backups} backups"
+        )
+    if runner.tail_only:
+        approx = sum(r.approximate for r in results)
+        lines.append(
+            f"tail-only prefill: {st.tail_skipped_tokens} tokens skipped after layer "
+            f"{runner.model.last_kv_source} in {st.tail_only_forwards} forwards; {approx} of "
+            f"{len(results)} results approximate"
         )
     if runner.device.type == "cuda":
         lines.append(

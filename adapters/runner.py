@@ -26,7 +26,7 @@ from shadowradix.request import Request
 from .device import resolve_device
 from .graph_decode import GraphDecoder
 from .model_config import ModelConfig
-from .paged import build_step, run_step
+from .paged import build_step, run_step, run_tail_only_step
 from .pools import KVPools
 from .sampling import Sampler, SamplingParams, sample_batch
 from .weights import ModelWeights, init_weights
@@ -39,9 +39,20 @@ def _token(t: object) -> int:
     return operator.index(t)  # type: ignore[arg-type]
 
 
+class UnsupportedRequestError(InvalidRequestError):
+    """The request asks for something the runner's mode cannot give: prompt logprobs under
+    tail-only prefill (the later layers never see most prompt positions)."""
+
+
 @dataclass
 class GenerationResult:
-    """One request's outcome. ``finish_reason``: ``"length"``, ``"stop"`` or ``"error"``."""
+    """One request's outcome. ``finish_reason``: ``"length"``, ``"stop"`` or ``"error"``.
+
+    ``approximate``: the request's output may differ from an exact run, because tail-only
+    prefill skipped some of its prompt tokens past the last KV-source layer, or it reused a
+    cached prefix after the runner had skipped tokens. ``prompt_logprobs``: with
+    ``SamplingParams(prompt_logprobs=True)``, ``None`` for the first prompt token, then the
+    log-probability of each prompt token given the tokens before it."""
 
     request_id: int
     prompt: list[int]
@@ -50,14 +61,21 @@ class GenerationResult:
     error: str | None = None
     cached_tokens: int = 0
     preemptions: int = 0
+    approximate: bool = False
+    prompt_logprobs: list[float | None] | None = None
 
 
 @dataclass
 class RunnerStats:
+    """Counters. Tail-only: ``tail_only_forwards`` prefill forwards skipped some tokens past
+    the last KV-source layer, ``tail_skipped_tokens`` of them in all."""
+
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
+    tail_only_forwards: int = 0
+    tail_skipped_tokens: int = 0
     forward_s: float = 0.0
     schedule_s: float = 0.0
 
@@ -98,7 +116,14 @@ class Runner:
     ``hisparse_pages``: keep the C4 KV in a host mirror with a device buffer of this many pages
     per C4 layer (`C4Offload`, planned by `hisparse.Coordinator`). Decode then runs the paged
     path (the plan needs the indexer's top-k on the host mid-forward, which a CUDA graph
-    cannot do): ``graph_decode=True`` with HiSparse raises `ValueError`."""
+    cannot do): ``graph_decode=True`` with HiSparse raises `ValueError`.
+
+    ``tail_only``: decoder-side tail-only prefill (V4.1, an approximation; docs/sharing.md):
+    in every prefill forward the layers after the model's last KV-source layer compute only the
+    last ``window`` tokens of each request's chunk. Needs cross-layer sharing with layers after
+    the last KV source (`ValueError` otherwise); results that may differ from an exact run are
+    flagged ``approximate``; requests asking for prompt logprobs raise
+    `UnsupportedRequestError`."""
 
     def __init__(
         self,
@@ -111,6 +136,7 @@ class Runner:
         max_running: int = 32,
         graph_decode: bool | None = None,
         hisparse_pages: int | None = None,
+        tail_only: bool = False,
     ) -> None:
         self.device = resolve_device(device)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -125,12 +151,17 @@ class Runner:
             )
         if cache_config.bounded_replay:
             raise ValueError("the runner does not execute bounded replay (approximate reuse)")
-        self.model = model
+        self.model, self.tail_only = model, _check_tail_only(model, tail_only)
         self.cache = ShadowRadixCache(cache_config)
         if hisparse_pages is not None and graph_decode:
             raise ValueError("HiSparse plans on the host mid-forward: no graph decode with it")
         self.pools = KVPools(
-            model, cache_config, self.device, dtype, offload_c4=hisparse_pages is not None
+            model,
+            cache_config,
+            self.device,
+            dtype,
+            offload_c4=hisparse_pages is not None,
+            track_late_swa=tail_only,
         )
         self.offload = None
         if hisparse_pages is not None:
@@ -175,12 +206,19 @@ class Runner:
         rid = self._next_id
         self._next_id += 1
         seq = _Seq(GenerationResult(rid, tokens), params, Sampler(params))
+        if params.prompt_logprobs:
+            seq.result.prompt_logprobs = [None] * len(tokens)
         self._waiting.append(seq)
         return rid
 
     def _validate(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be SamplingParams")
+        if params.prompt_logprobs and self.tail_only:
+            raise UnsupportedRequestError(
+                "prompt_logprobs is not supported with tail-only prefill: the layers after the "
+                "last KV source compute only the last window of each chunk"
+            )
         if isinstance(prompt, (str, bytes)):
             raise InvalidRequestError("prompt must be a sequence of token ids (encode text first)")
         try:
@@ -239,9 +277,12 @@ class Runner:
             if self._running and not self._fits(seq):
                 return
             tokens = seq.tokens
-            match = self.cache.match_prefix(tokens, max_len=len(tokens) - 1)  # leave one
+            keep = 0 if seq.params.prompt_logprobs else len(tokens) - 1  # leave one to compute
+            match = self.cache.match_prefix(tokens, max_len=keep)
             seq.request = self.cache.admit(tokens, match)
             seq.result.cached_tokens = max(seq.result.cached_tokens, match.hit_len)
+            if match.hit_len and self.stats.tail_skipped_tokens:  # the prefix may hold holes
+                seq.result.approximate = True
             seq.admitted_at = self._clock
             self._running.append(self._waiting.popleft())
 
@@ -283,7 +324,9 @@ class Runner:
                 if not self._preempt():
                     raise
 
-    def _forward(self, seqs: list[_Seq], chunks: list[list[int]], alloc, logits_for: list[bool]):
+    def _forward(self, seqs: list[_Seq], chunks: list[list[int]], alloc, rows: list[int]):
+        """Logits of the flat token ``rows`` of one forward over ``chunks``. A tail-only runner
+        runs chunks longer than the window tail-only (``rows`` are then chunk ends)."""
         t0 = time.perf_counter()
         plans = [self.cache.read_plan(s.req, start=st) for s, st in zip(seqs, alloc.starts)]
         flat = np.fromiter((t for c in chunks for t in c), np.int64)
@@ -291,22 +334,34 @@ class Runner:
         if self.offload is not None:
             self.offload.drain()  # every page the forward plans for is unpinned
             self.offload.begin_step(step.streams[4].entry_slots_np)
-        ends = np.cumsum([len(c) for c in chunks]) - 1
-        rows = [int(e) for e, want in zip(ends, logits_for) if want]
+        tail_rows = self._tail_rows(chunks) if self.tail_only else None
+        if tail_rows is not None:
+            rows = np.searchsorted(tail_rows, rows).tolist()  # chunk ends are tail rows
+        logit_rows = torch.tensor(rows, device=self.device, dtype=torch.long)
         t1 = time.perf_counter()
-        logits = run_step(
-            self.weights,
-            self.pools,
-            step,
-            torch.tensor(rows, device=self.device, dtype=torch.long),
-            self.offload,
-        )
+        if tail_rows is None:
+            logits = run_step(self.weights, self.pools, step, logit_rows, self.offload)
+        else:
+            tail_t = torch.from_numpy(tail_rows).to(self.device)
+            logits = run_tail_only_step(
+                self.weights, self.pools, step, tail_t, logit_rows, self.offload
+            )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
         self.stats.schedule_s += t1 - t0
         self.stats.forward_s += t2 - t1
         return logits
+
+    def _tail_rows(self, chunks: list[list[int]]) -> np.ndarray | None:
+        """Flat rows of the last ``window`` tokens of every chunk; ``None`` when that is every
+        row (no chunk is longer than the window: the forward is exact)."""
+        w, sizes = self.model.window, np.array([len(c) for c in chunks], dtype=np.int64)
+        if sizes.max() <= w:
+            return None
+        ends = np.cumsum(sizes)
+        keep = np.minimum(sizes, w)
+        return np.concatenate([np.arange(e - k, e) for e, k in zip(ends, keep)])
 
     def _graph_forward(self, seqs: list[_Seq], tokens: list[int]) -> torch.Tensor:
         assert self.decoder is not None
@@ -348,15 +403,44 @@ class Runner:
         if alloc is None:
             return []
         last = [len(s.req.prompt_remaining) == 0 for s in seqs]
-        logits = self._forward(seqs, chunks, alloc, last)
+        spans = self._logit_spans(seqs, chunks, last)
+        rows = [r for span in spans for r in span]
+        logits = self._forward(seqs, chunks, alloc, rows)
         self.stats.prefill_tokens += sum(len(c) for c in chunks)
+        if self.tail_only:
+            self._count_tail(seqs, chunks)
+        blocks = torch.split(logits, [len(span) for span in spans])
+        for seq, start, block in zip(seqs, alloc.starts, blocks):
+            if seq.params.prompt_logprobs:
+                _record_prompt_logprobs(seq.result, start, block)
         for seq in seqs:
             # After every chunk, as SGLang does: the chunk's pages enter the tree with their
             # live SWA, so a later prompt branching anywhere inside this one still finds a
             # window (SWA eviction tombstones node heads before tails when SWA runs short).
             self.cache.cache_unfinished(seq.req)
-        ready = [seq for seq, is_last in zip(seqs, last) if is_last]
-        return self._emit_all(ready, logits)
+        ready = [(seq, block[-1:]) for seq, is_last, block in zip(seqs, last, blocks) if is_last]
+        if not ready:
+            return []
+        return self._emit_all([s for s, _ in ready], torch.cat([b for _, b in ready]))
+
+    @staticmethod
+    def _logit_spans(seqs: list[_Seq], chunks: list[list[int]], last: list[bool]) -> list[range]:
+        """Per request, the flat rows of the prefill forward whose logits it needs: its whole
+        chunk for prompt logprobs, else its last token if its prompt ends in this chunk."""
+        spans, end = [], 0
+        for seq, chunk, is_last in zip(seqs, chunks, last):
+            start, end = end, end + len(chunk)
+            first = start if seq.params.prompt_logprobs else end - 1 if is_last else end
+            spans.append(range(first, end))
+        return spans
+
+    def _count_tail(self, seqs: list[_Seq], chunks: list[list[int]]) -> None:
+        """Tail-only bookkeeping of one prefill forward: skipped tokens, approximate results."""
+        skipped = [max(0, len(c) - self.model.window) for c in chunks]
+        for seq, n in zip(seqs, skipped):
+            seq.result.approximate |= n > 0
+        self.stats.tail_skipped_tokens += sum(skipped)
+        self.stats.tail_only_forwards += any(skipped)
 
     def _decode(self) -> list[GenerationResult]:
         seqs = [s for s in self._running if s.decoding and s.result.finish_reason is None]
@@ -370,7 +454,7 @@ class Runner:
         if alloc is None:
             return []
         if self.decoder is None:
-            logits = self._forward(seqs, chunks, alloc, [True] * len(seqs))
+            logits = self._forward(seqs, chunks, alloc, list(range(len(seqs))))
         else:
             logits = self._graph_forward(seqs, [c[0] for c in chunks])
         self.stats.decode_tokens += len(seqs)
@@ -453,3 +537,30 @@ class Runner:
         """Results of `submit`ted requests that finished inside a `generate` call."""
         out, self._unclaimed = self._unclaimed, []
         return out
+
+
+def _check_tail_only(model: ModelConfig, tail_only: bool) -> bool:
+    """``tail_only``, validated against the model (`ValueError` if it cannot apply)."""
+    last = model.last_kv_source
+    if tail_only and last is None:
+        raise ValueError(
+            "tail_only needs cross-layer KV sharing (ModelConfig.kv_sources): the layers after "
+            "the last KV-source layer are the ones it skips"
+        )
+    if tail_only and last == model.num_layers - 1:
+        raise ValueError(f"tail_only: no layer comes after the last KV-source layer {last}")
+    return tail_only
+
+
+def _record_prompt_logprobs(result: GenerationResult, start: int, logits: torch.Tensor) -> None:
+    """Stores the log-probabilities of the prompt tokens that the rows ``logits`` (positions
+    ``start, start + 1, ...``) predict: position ``p`` predicts token ``p + 1``."""
+    assert result.prompt_logprobs is not None
+    prompt = result.prompt
+    n = min(logits.shape[0], len(prompt) - 1 - start)
+    if n <= 0:
+        return
+    targets = torch.tensor(prompt[start + 1 : start + 1 + n], device=logits.device)
+    logprobs = torch.log_softmax(logits[:n].double(), dim=-1)
+    picked = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    result.prompt_logprobs[start + 1 : start + 1 + n] = picked

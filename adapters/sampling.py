@@ -17,12 +17,16 @@ MAX_TEMPERATURE = 1e3
 @dataclass(frozen=True)
 class SamplingParams:
     """``temperature == 0`` is greedy. ``seed`` makes temperature sampling reproducible, also
-    across preemption (one draw per generated token). ``stop_token`` ends generation early."""
+    across preemption (one draw per generated token). ``stop_token`` ends generation early.
+    ``prompt_logprobs``: return the log-probability of every prompt token given the tokens
+    before it (`GenerationResult.prompt_logprobs`); the whole prompt is then computed, never
+    read from the prefix cache."""
 
     max_new_tokens: int = 32
     temperature: float = 0.0
     seed: int = 0
     stop_token: int | None = None
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -39,6 +43,8 @@ class SamplingParams:
             )
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise InvalidRequestError("seed must be an int")
+        if not isinstance(self.prompt_logprobs, bool):
+            raise InvalidRequestError("prompt_logprobs must be a bool")
 
 
 def sample_batch(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,9 +35,12 @@ class Compressor:
 
 @dataclass(frozen=True)
 class Indexer:
+    """The lightning indexer of one C4 layer: its queries and head weights, and the compressor
+    of its keys (``None`` on a layer that scores against another layer's keys, V4.1 sharing)."""
+
     w_q: torch.Tensor  # (D, Hi*di)
     w_weight: torch.Tensor  # (D, Hi)
-    compressor: Compressor
+    compressor: Compressor | None
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,8 @@ class LayerWeights:
     kv_norm: torch.Tensor  # (d,)
     sink: torch.Tensor  # (H,)
     w_o: torch.Tensor  # (H*d, D)
-    compressor: Compressor | None
-    indexer: Indexer | None
+    compressor: Compressor | None  # None: SWA-only, or a consumer of shared compressed KV
+    indexer: Indexer | None  # None: not C4, or a C4 layer reusing another layer's selection
     ffn_norm: torch.Tensor
     w_gate: torch.Tensor  # (D, M)
     w_up: torch.Tensor  # (D, M)
@@ -146,13 +149,25 @@ def _layer(init: _Init, cfg: ModelConfig, ratio: int) -> LayerWeights:
     )
 
 
+def _shared(cfg: ModelConfig, layer: int, lw: LayerWeights) -> LayerWeights:
+    """Drops what ``layer`` does not compute under the config's sharing. Everything is drawn
+    first, so every tensor a shared model keeps equals the unshared model's of the same seed."""
+    if not lw.ratio:
+        return lw
+    source = cfg.kv_source_of(layer) == layer
+    indexer = lw.indexer if cfg.runs_indexer(layer) else None
+    if indexer is not None and not source:
+        indexer = replace(indexer, compressor=None)
+    return replace(lw, compressor=lw.compressor if source else None, indexer=indexer)
+
+
 def init_weights(
     cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> ModelWeights:
     """Seeded random weights; the same ``cfg.seed`` gives the same values on every device."""
     init = _Init(cfg.seed, torch.device(device), dtype)
     embed = init.normal(cfg.vocab_size, cfg.hidden, std=1.0)
-    layers = tuple(_layer(init, cfg, r) for r in cfg.compress_ratios)
+    layers = tuple(_shared(cfg, i, _layer(init, cfg, r)) for i, r in enumerate(cfg.compress_ratios))
     return ModelWeights(
         config=cfg,
         embed=embed,
