@@ -7,7 +7,7 @@ Checks, on ``--device`` (default cuda), in fp64 and fp32:
   tiny pools so eviction and preemption happen) versus ``reference_generate``.
 Prints one line per check and exits non-zero on any failure.
 
-    python bench/gpu_equivalence.py --device cuda
+    python bench/gpu_equivalence.py --device cuda [--model tiny-shared]
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtypes", default="float64,float32", help="comma-separated torch dtypes")
+    ap.add_argument("--model", default="tiny", help="tiny, or tiny-shared (V4.1 sharing)")
     args = ap.parse_args()
     failures = 0
-    model = preset("tiny", **SMALL)
+    model = preset(args.model, **SMALL)
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         weights = init_weights(model, args.device, dtype)
         for length, chunk, page in (
