@@ -46,6 +46,11 @@ def add_run_parser(sub) -> None:
         help="keep C4 KV in host memory with this many device pages per C4 layer",
     )
     run.add_argument(
+        "--bounded-replay",
+        action="store_true",
+        help="serve hits whose window was evicted by recomputing it (approximate, flagged)",
+    )
+    run.add_argument(
         "--arrival-steps",
         type=int,
         default=2,
