@@ -15,6 +15,16 @@ import functools
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from adapters.cli import add_run_parser
 from adapters.model_config import preset
@@ -257,3 +267,133 @@ def test_cli_bounded_replay_flag_and_summary() -> None:
     text = summary(runner, done, 1.0)
     assert "bounded replay (approximate): 1 replayed hits, 128 window tokens recomputed" in text
     assert "1 of 2 results approximate" in text
+
+
+# -- model-based: random arrivals, steps and window tombstoning -----------------------------------
+
+#: group prefixes, cached exactly by a warm-up (the SHORT model: window 16, C4 + C16)
+GROUPS = [tokens(300 + n, n) for n in (24, 37, 50)]
+
+
+class ReplayRunnerMachine(RuleBasedStateMachine):
+    """A replaying runner under random arrivals and SWA tombstoning. Every suffix starts with
+    a marker token no other request uses, and the full pool never evicts, so every request
+    reuses (at most) its group prefix's pages, computed exactly by the warm-up: a replayed
+    request's oracle is then `replay_reference_generate` over its admission match.
+
+    After every rule: the cache's invariants; every unflagged finished result equals the cold
+    reference; every flagged one was admitted by a replay, and (if never preempted) equals the
+    replay oracle."""
+
+    replays_checked = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runner: Runner | None = None
+        self.submitted: dict[int, tuple[list[int], int]] = {}
+        self.admissions: dict[tuple[int, ...], list] = {}
+        self.unchecked: list[GenerationResult] = []
+        self.markers = iter(range(256))
+
+    @initialize(
+        page=st.sampled_from([1, 2, 4, 8]),
+        chunk=st.sampled_from([3, 7, 16]),
+        max_running=st.integers(1, 3),
+        extra_swa=st.integers(0, 12),
+        graph=st.booleans(),
+    )
+    def setup(self, page, chunk, max_running, extra_swa, graph) -> None:
+        swa = -(-(chunk + SHORT.window + 2 * page) // page) + extra_swa // page
+        self.runner = make_runner(cfg=SHORT, page=page, full_pages=-(-4000 // page),
+                                  swa_pages=swa, chunk=chunk, max_running=max_running,
+                                  graph_decode=graph)  # fmt: skip
+        for g in GROUPS:  # max_new_tokens=1 commits (and caches) the prompt only
+            assert not self.runner.generate([g], SamplingParams(max_new_tokens=1))[0].approximate
+        admit = self.runner.cache.admit
+
+        def recording(tokens_, match=None):
+            self.admissions.setdefault(tuple(int(t) for t in tokens_), []).append(match)
+            return admit(tokens_, match)
+
+        self.runner.cache.admit = recording  # type: ignore[method-assign]
+
+    @rule(group=st.integers(0, len(GROUPS) - 1), suffix=st.integers(1, 6), n=st.integers(1, 4))
+    def submit(self, group, suffix, n) -> None:
+        assert self.runner is not None
+        marker = next(self.markers)
+        prompt = GROUPS[group] + [marker] + tokens(marker, suffix - 1)
+        rid = self.runner.submit(prompt, SamplingParams(max_new_tokens=n))
+        self.submitted[rid] = (prompt, n)
+
+    @precondition(lambda self: self.runner is not None and self.runner.num_pending > 0)
+    @rule(n=st.integers(1, 4))
+    def step(self, n) -> None:
+        assert self.runner is not None
+        for _ in range(n):
+            self.unchecked += self.runner.step()
+
+    @precondition(lambda self: self.runner is not None)
+    @rule()
+    def tombstone_windows(self) -> None:
+        assert self.runner is not None
+        self.runner.cache.evict(swa_tokens=10**6)  # what other traffic does to a small pool
+
+    @invariant()
+    def consistent(self) -> None:
+        if self.runner is None:
+            return
+        self.runner.cache.check_invariants()
+        assert len(self.runner.cache.requests) == len(self.runner._running)
+        while self.unchecked:
+            self._check(self.unchecked.pop())
+
+    def _check(self, res: GenerationResult) -> None:
+        prompt, n = self.submitted[res.request_id]
+        assert res.finish_reason == "length" and len(res.output) == n
+        w = weights_for(SHORT)
+        if not res.approximate:
+            assert res.output == reference_generate(w, prompt, n), "unflagged yet not exact"
+            return
+        matches = self.admissions[tuple(prompt)]
+        assert matches[0].is_replay or res.preemptions, "flagged without a replay"
+        if res.preemptions == 0:
+            m = matches[0]
+            want = replay_reference_generate(w, prompt, m.prefix_len, m.replay_start, n)
+            assert res.output == want
+            ReplayRunnerMachine.replays_checked += 1
+
+    def teardown(self) -> None:
+        if self.runner is None:
+            return
+        for _ in range(2_000):
+            if not self.runner.num_pending:
+                break
+            self.unchecked += self.runner.step()
+        self.consistent()
+        assert_drained(self.runner)
+
+
+_profile = settings.default
+TestReplayRunnerMachine = ReplayRunnerMachine.TestCase
+TestReplayRunnerMachine.settings = settings(
+    _profile,
+    max_examples=40 if _profile.max_examples > 150 else 6,
+    stateful_step_count=30 if _profile.max_examples > 150 else 12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def test_machine_really_replays() -> None:
+    before = ReplayRunnerMachine.replays_checked
+    run_state_machine_as_test(
+        ReplayRunnerMachine,
+        settings=settings(
+            max_examples=3,
+            stateful_step_count=15,
+            derandomize=True,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
+    assert ReplayRunnerMachine.replays_checked > before
