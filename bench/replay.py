@@ -299,13 +299,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--pressure", choices=["evict", "pool"], default="evict")
     ap.add_argument("--warmup", action="store_true", help="one throwaway wave first (GPU)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     ap.add_argument("--json")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     report = run(args)
     print(table(report))
     if args.json:
