@@ -55,6 +55,11 @@ def add_run_parser(sub) -> None:
         help="decoder-side tail-only prefill (a *-shared model; approximate, docs/sharing.md)",
     )
     run.add_argument(
+        "--bounded-replay",
+        action="store_true",
+        help="serve hits whose window was evicted by recomputing it (approximate, flagged)",
+    )
+    run.add_argument(
         "--arrival-steps",
         type=int,
         default=2,

@@ -315,7 +315,7 @@ class GraphDecoder:
         meta = _slice_batch(meta, batch)
         valid = self.pools.late_swa_valid
         if valid is not None:  # tail-only prefill left holes in the later layers' SWA
-            valid[meta.swa_new] = True
+            valid.index_fill_(0, meta.swa_new, True)  # no host scalar: capturable
             meta = replace(meta, late_window_mask=meta.window_mask & valid[meta.window_slots])
         keys = GraphKeys(self.weights, self.pools, meta)
         return forward(self.weights, self.buffers.tokens[:batch], meta.positions, keys)

@@ -70,13 +70,19 @@ class PagedStep:
 
 
 def _window(plans: list[ReadPlan], req: np.ndarray, pos: np.ndarray, window: int):
-    """Slots of positions ``(t - W, t]`` for every token, from each request's read plan."""
+    """Slots of positions ``(t - W, t]`` for every token, from each request's read plan.
+
+    Positions before 0, and before a replayed request's ``replay_start`` (the replay rebuilt
+    the window from there: nothing earlier is live), are masked (their keys are gathered from
+    the plan's first, live slot, never from a stale row); any other position the plan does not
+    cover is a bug (`RuntimeError`)."""
     sizes = np.array([len(p.swa_slots) for p in plans], dtype=I64)
     base = np.cumsum(sizes) - sizes
     first = np.array([p.swa_positions[0] if len(p.swa_positions) else 0 for p in plans], I64)
+    live_from = np.array([p.replay_start or 0 for p in plans], dtype=I64)
     flat = np.concatenate([p.swa_slots for p in plans])
     want = pos[:, None] - (window - 1) + np.arange(window, dtype=I64)[None, :]
-    mask = want >= 0
+    mask = want >= live_from[req][:, None]
     local = np.where(mask, want - first[req][:, None], 0)
     if mask.any() and (local[mask] < 0).any():
         raise RuntimeError("read plan does not cover a query's window (pass start=)")

@@ -20,7 +20,10 @@ def build_runner(args: argparse.Namespace) -> Runner:
     if args.layers:
         model = model.first_layers(args.layers)
     cache = model.cache_config(
-        page_size=args.page_size, full_capacity=args.full_tokens, swa_capacity=args.swa_tokens
+        page_size=args.page_size,
+        full_capacity=args.full_tokens,
+        swa_capacity=args.swa_tokens,
+        bounded_replay=args.bounded_replay,
     )
     return Runner(
         model,
@@ -69,9 +72,10 @@ def run_command(args: argparse.Namespace, texts: list[str]) -> int:
     wall = time.perf_counter() - start
     if not args.quiet:
         for res in sorted(results, key=lambda r: ids[r.request_id]):
+            flag = ", approximate" if res.approximate else ""
             print(
                 f"[{ids[res.request_id]}] {res.finish_reason:>6} "
-                f"(hit {res.cached_tokens} tok): {tok.decode(res.output)!r}"
+                f"(hit {res.cached_tokens} tok{flag}): {tok.decode(res.output)!r}"
             )
     print(summary(runner, results, wall))
     return 0
@@ -94,6 +98,12 @@ def summary(runner: Runner, results: list[GenerationResult], wall: float) -> str
         f"preemptions {st.preemptions}",
         f"time: forward {st.forward_s:.2f} s, scheduling + cache {st.schedule_s:.2f} s",
     ]
+    if st.replayed_hits or st.approximate_results:
+        lines.append(
+            f"bounded replay (approximate): {st.replayed_hits} replayed hits, "
+            f"{st.replayed_tokens} window tokens recomputed, {st.approximate_results} of "
+            f"{len(results)} results approximate"
+        )
     if runner.offload is not None:
         hs = runner.offload.coordinator.stats()
         lines.append(

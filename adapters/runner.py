@@ -7,6 +7,11 @@ every slot; the runner only schedules, executes the plans on the pools and sampl
 Pool exhaustion never crashes a step: when an extend raises `CapacityError`, the most recently
 admitted running request is preempted (its cache request aborted, its tokens requeued at the
 front, recomputed later with whatever prefix is still cached) and the extend is retried.
+
+With ``CacheConfig(bounded_replay=True)`` a hit whose window was tombstoned is served by
+encoder-side replay (docs/replay.md): the window rebuild the core plans at admission runs
+before the request's first prefill chunk, within the step's token budget, and every result
+that read replay-derived state is flagged ``approximate``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shadowradix import CacheConfig, CapacityError, InvalidRequestError, ShadowRadixCache
+from shadowradix import CacheConfig, CapacityError, InvalidRequestError, ReadPlan, ShadowRadixCache
 from shadowradix.request import Request
 
 from .device import resolve_device
@@ -28,6 +33,7 @@ from .graph_decode import GraphDecoder
 from .model_config import ModelConfig
 from .paged import build_step, run_step, run_tail_only_step
 from .pools import KVPools
+from .replay import replay_step
 from .sampling import Sampler, SamplingParams, sample_batch
 from .weights import ModelWeights, init_weights
 
@@ -61,6 +67,9 @@ class GenerationResult:
     error: str | None = None
     cached_tokens: int = 0
     preemptions: int = 0
+    #: some output token was computed from approximate state: a bounded replay (this
+    #: request's replayed hit, or cached state derived from one: the core's replay lineage) or
+    #: a tail-only prefill (this request's, or a reused prefix that may hold its holes)
     approximate: bool = False
     prompt_logprobs: list[float | None] | None = None
 
@@ -78,6 +87,11 @@ class RunnerStats:
     tail_skipped_tokens: int = 0
     forward_s: float = 0.0
     schedule_s: float = 0.0
+    #: admissions served by bounded replay, and the window tokens their replays recomputed
+    replayed_hits: int = 0
+    replayed_tokens: int = 0
+    #: finished results flagged ``approximate``
+    approximate_results: int = 0
 
 
 @dataclass
@@ -87,6 +101,8 @@ class _Seq:
     sampler: Sampler
     request: Request | None = None
     admitted_at: int = 0
+    #: next position of the admission's pending window rebuild (``None``: nothing to replay)
+    replay_at: int | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -109,9 +125,15 @@ class Runner:
     ``chunk_tokens``: prefill tokens per step. ``max_running``: decode batch bound. Raises
     ``graph_decode``: decode through `GraphDecoder` (slots computed on the device from raw
     batch state, CUDA graphs on GPU); default on CUDA. Otherwise decode runs the general paged
-    path like prefill. Raises `ValueError` for a cache config that does not match the model, a
-    chunk the SWA pool cannot hold, or bounded replay (not supported by this runner), and
-    `DeviceError` for an unusable device.
+    path like prefill. Raises `ValueError` for a cache config that does not match the model or
+    a chunk the SWA pool cannot hold, and `DeviceError` for an unusable device.
+
+    ``cache_config.bounded_replay``: hits with a tombstoned window are served by encoder-side
+    replay (approximate; flagged in results and stats). It combines with graph decode and
+    HiSparse; the core refuses it together with speculation (`ConfigError`).
+
+    ``on_logits`` (attribute, default ``None``): called with the results and the logits rows of
+    every sampling step, before sampling (benchmarks measure divergence with it).
 
     ``hisparse_pages``: keep the C4 KV in a host mirror with a device buffer of this many pages
     per C4 layer (`C4Offload`, planned by `hisparse.Coordinator`). Decode then runs the paged
@@ -149,8 +171,6 @@ class Runner:
                 f"SWA pool of {cache_config.swa_capacity} tokens cannot hold a {chunk_tokens}-token"
                 f" chunk plus its window (needs {swa_need}); lower chunk_tokens"
             )
-        if cache_config.bounded_replay:
-            raise ValueError("the runner does not execute bounded replay (approximate reuse)")
         self.model, self.tail_only = model, _check_tail_only(model, tail_only)
         self.cache = ShadowRadixCache(cache_config)
         if hisparse_pages is not None and graph_decode:
@@ -194,6 +214,7 @@ class Runner:
         self._next_id = 0
         self._unclaimed: list[GenerationResult] = []
         self._clock = 0
+        self.on_logits: Callable[[list[GenerationResult], torch.Tensor], None] | None = None
 
     # -- submission ------------------------------------------------------------------------
 
@@ -279,11 +300,16 @@ class Runner:
             tokens = seq.tokens
             keep = 0 if seq.params.prompt_logprobs else len(tokens) - 1  # leave one to compute
             match = self.cache.match_prefix(tokens, max_len=keep)
+            # cannot raise CapacityError for a replayed window: `_fits` (or, with nothing
+            # running, an all-evictable SWA pool) leaves room for a window and a chunk
             seq.request = self.cache.admit(tokens, match)
             seq.result.cached_tokens = max(seq.result.cached_tokens, match.hit_len)
             if match.hit_len and self.stats.tail_skipped_tokens:  # the prefix may hold holes
                 seq.result.approximate = True
             seq.admitted_at = self._clock
+            if seq.request.replay_allocation is not None:
+                seq.replay_at = seq.request.replay_allocation.starts[0]
+                self.stats.replayed_hits += 1
             self._running.append(self._waiting.popleft())
 
     def _fits(self, seq: _Seq) -> bool:
@@ -304,6 +330,7 @@ class Runner:
         assert victim.request is not None
         self.cache.abort(victim.request)
         victim.request = None
+        victim.replay_at = None
         victim.result.preemptions += 1
         self.stats.preemptions += 1
         self._waiting.appendleft(victim)
@@ -324,11 +351,19 @@ class Runner:
                 if not self._preempt():
                     raise
 
-    def _forward(self, seqs: list[_Seq], chunks: list[list[int]], alloc, rows: list[int]):
+    def _forward(
+        self,
+        seqs: list[_Seq],
+        chunks: list[list[int]],
+        alloc,
+        rows: list[int],
+        plans: list[ReadPlan] | None = None,
+    ):
         """Logits of the flat token ``rows`` of one forward over ``chunks``. A tail-only runner
         runs chunks longer than the window tail-only (``rows`` are then chunk ends)."""
         t0 = time.perf_counter()
-        plans = [self.cache.read_plan(s.req, start=st) for s, st in zip(seqs, alloc.starts)]
+        if plans is None:
+            plans = [self.cache.read_plan(s.req, start=st) for s, st in zip(seqs, alloc.starts)]
         flat = np.fromiter((t for c in chunks for t in c), np.int64)
         step = build_step(self.model, alloc, plans, flat, self.device)
         if self.offload is not None:
@@ -384,11 +419,40 @@ class Runner:
             return wanted
         return min(wanted, pages_left // self.model.index_topk)
 
-    def _prefill(self) -> list[GenerationResult]:
-        budget, seqs, chunks = self.chunk_tokens, [], []
+    def _replay(self) -> int:
+        """Runs pending window rebuilds of replayed hits (each before its request's first
+        chunk) in one forward, slices of at most the step's token budget (and, with HiSparse,
+        of the device working set); returns the tokens replayed."""
+        budget, parts, seqs = self.chunk_tokens, [], []
         pages_left = self._device_pages
         for seq in self._running:
-            if seq.decoding or budget == 0:
+            if seq.replay_at is None or budget == 0:
+                continue
+            alloc = seq.req.replay_allocation
+            assert alloc is not None
+            n = self._fit_tokens(seq, min(budget, alloc.ends[0] - seq.replay_at), pages_left)
+            if not n:
+                break
+            budget -= n
+            pages_left -= self._working_set(seq, n) if self.offload else 0
+            parts.append((alloc, seq.replay_at, seq.replay_at + n))
+            seqs.append(seq)
+        if not parts:
+            return 0
+        chunks = [s.tokens[lo:hi] for s, (_, lo, hi) in zip(seqs, parts)]
+        plans = [self.cache.read_plan(s.req) for s in seqs]  # window [replay_start, prefix_len)
+        self._forward(seqs, chunks, replay_step(parts), [], plans)
+        for seq, (alloc, _, hi) in zip(seqs, parts):
+            seq.replay_at = hi if hi < alloc.ends[0] else None
+        replayed = self.chunk_tokens - budget
+        self.stats.replayed_tokens += replayed
+        return replayed
+
+    def _prefill(self) -> list[GenerationResult]:
+        budget, seqs, chunks = self.chunk_tokens - self._replay(), [], []
+        pages_left = self._device_pages
+        for seq in self._running:
+            if seq.decoding or seq.replay_at is not None or budget == 0:
                 continue
             chunk = seq.req.prompt_remaining[: self._fit_tokens(seq, budget, pages_left)].tolist()
             if not chunk:
@@ -477,12 +541,15 @@ class Runner:
     def _emit_all(self, seqs: list[_Seq], logits: torch.Tensor) -> list[GenerationResult]:
         if not seqs:
             return []
+        if self.on_logits is not None:
+            self.on_logits([s.result for s in seqs], logits)
         tokens = sample_batch([s.sampler for s in seqs], logits)
         return [res for seq, tok in zip(seqs, tokens) for res in self._emit(seq, tok)]
 
     def _emit(self, seq: _Seq, token: int) -> list[GenerationResult]:
         res = seq.result
         res.output.append(token)
+        res.approximate |= seq.req.approximate
         if seq.params.stop_token is not None and token == seq.params.stop_token:
             res.finish_reason = "stop"
         elif len(res.output) >= seq.params.max_new_tokens:
@@ -493,6 +560,7 @@ class Runner:
         self.cache.finish(seq.request)
         seq.request = None
         self._running.remove(seq)
+        self.stats.approximate_results += res.approximate
         return [res]
 
     # -- conveniences ----------------------------------------------------------------------

@@ -513,12 +513,8 @@ def test_runner_rejects_bad_construction() -> None:
         Runner(SHORT, cc, device="cpu", dtype=torch.float64, chunk_tokens=8)
     with pytest.raises(DeviceError):
         Runner(CFG, cc, device="tpu", chunk_tokens=8)
-    # bounded replay (approximate reuse) is not executed by the runner: refused
-    replay = CFG.cache_config(
-        page_size=page, full_capacity=page * 20, swa_capacity=page * 12, bounded_replay=True
-    )
-    with pytest.raises(ValueError, match="bounded replay"):
-        Runner(CFG, replay, device="cpu", dtype=torch.float64, chunk_tokens=8)
+    # bounded replay is executed (tests/test_replay_runner.py), with speculation refused by
+    # CacheConfig
 
 
 # -- bugs -----------------------------------------------------------------------------------------
