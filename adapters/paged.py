@@ -16,7 +16,7 @@ import torch
 
 from shadowradix import Allocation, ReadPlan, StreamWrites
 
-from . import ops
+from . import kernels, ops
 from .model import LayerInput, compress_rows, forward, forward_tail_only
 from .model_config import ModelConfig
 from .pools import KVPools
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from .offload import C4Offload
 
 I64 = np.int64
+
+#: Compress prefill groups with the Flash Compressor on CUDA (fp32 in-flight rows); benchmarks
+#: set it to False to time the PyTorch chain in the same process.
+USE_PREFILL_KERNEL = kernels.TRITON_AVAILABLE
 
 
 @dataclass(frozen=True)
@@ -257,17 +261,32 @@ class PagedKeys:
         pad = torch.zeros_like(rows[:1])
         pad[:, rows.shape[1] // 2 :] = float("-inf")
         source = torch.cat((rows, carried, pad), dim=0)
-        ent = compress_rows(
-            self.model,
-            source[ss.entry_src],
-            ss.ratio,
-            ss.entry_groups,
-            comp.norm,
-            self.model.rope_dim,
-        )
+        if source.is_cuda and source.dtype == torch.float32 and USE_PREFILL_KERNEL:
+            ent = self._compress_fused(comp, ss, source)  # pragma: no cover - needs a GPU
+        else:
+            ent = compress_rows(
+                self.model,
+                source[ss.entry_src],
+                ss.ratio,
+                ss.entry_groups,
+                comp.norm,
+                self.model.rope_dim,
+            )
         if pool is not None:
             pool[ss.entry_slots] = ent.to(pool.dtype)
         return ent
+
+    def _compress_fused(  # pragma: no cover - needs a GPU
+        self, comp: Compressor, ss: StreamStep, source: torch.Tensor
+    ) -> torch.Tensor:
+        """The Flash Compressor over gathered rows: each completed group's rows (its own, the
+        previous group's under the overlap, the padding row before group 0) are read from
+        ``source`` by index, pooled, normed and roped in one kernel."""
+        cfg = self.model
+        return kernels.compress_gathered(
+            source, ss.entry_src, ss.ratio, cfg.is_overlap(ss.ratio), groups=ss.entry_groups,
+            norm=comp.norm, rope_dim=cfg.rope_dim, theta=cfg.rope_theta, eps=cfg.norm_eps,
+        )  # fmt: skip
 
     def _select(self, layer: LayerInput, ss: StreamStep, slots: torch.Tensor):
         """Slots of the top-k entries per token, and which of them are real: the layer's own
