@@ -37,6 +37,9 @@ class ModelConfig:
     norm_eps: float = 1e-6
     overlap_ratios: tuple[int, ...] = field(default=(4,))
     seed: int = 0
+    #: one extra SWA-only MTP layer for speculative drafts (weights from their own generator,
+    #: so the main model's weights are the same with or without it); see docs/speculative.md
+    mtp: bool = True
 
     def __post_init__(self) -> None:
         if self.head_dim % 2 or self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:

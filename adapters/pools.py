@@ -40,7 +40,12 @@ def _row_width(model: ModelConfig, ratio: int, dim: int) -> int:
 
 class KVPools:
     """Every pool tensor of one model. ``state_dtype`` (the rings) is fp32 unless the model runs
-    in fp64 (exact tests). ``offload_c4``: no device C4 KV pool (`C4Offload` holds it)."""
+    in fp64 (exact tests). ``offload_c4``: no device C4 KV pool (`C4Offload` holds it).
+
+    ``mtp``: also the MTP layer's state (docs/speculative.md): its SWA KV as one more SWA
+    layer (``swa[model.num_layers]``, the same slots as every layer), and ``page_hidden``: per
+    SWA page, the main model's last hidden state at the page's last position, which a request
+    resuming at that page boundary feeds to the MTP row of its first new token."""
 
     def __init__(
         self,
@@ -49,6 +54,7 @@ class KVPools:
         device: torch.device | str,
         dtype: torch.dtype,
         offload_c4: bool = False,
+        mtp: bool = False,
     ) -> None:
         if cache.window != model.window or cache.compress_ratios != model.compress_ratios:
             raise ValueError("cache config does not match the model (window / compress_ratios)")
@@ -57,6 +63,10 @@ class KVPools:
         self.state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         swa_slots = cache.max_swa_pages * cache.page_size
         self.swa = [self._zeros(swa_slots, model.head_dim) for _ in model.compress_ratios]
+        self.page_hidden: torch.Tensor | None = None
+        if mtp:
+            self.swa.append(self._zeros(swa_slots, model.head_dim))
+            self.page_hidden = self._zeros(cache.max_swa_pages, model.hidden)
         self.compressed: dict[int, torch.Tensor] = {}
         self.ring: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
