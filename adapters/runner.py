@@ -26,9 +26,11 @@ from shadowradix.request import Request
 from .device import resolve_device
 from .graph_decode import GraphDecoder
 from .model_config import ModelConfig
+from .mtp import resume_hidden, run_step_mtp
 from .paged import build_step, run_step
 from .pools import KVPools
 from .sampling import Sampler, SamplingParams, sample_batch
+from .speculative import DraftSource, MTPDraft, SpeculativeDecoder
 from .weights import ModelWeights, init_weights
 
 
@@ -69,6 +71,8 @@ class _Seq:
     sampler: Sampler
     request: Request | None = None
     admitted_at: int = 0
+    #: (cache request, main hidden state at its last computed position): MTP drafts only
+    hidden: tuple[Request, torch.Tensor] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -98,7 +102,13 @@ class Runner:
     ``hisparse_pages``: keep the C4 KV in a host mirror with a device buffer of this many pages
     per C4 layer (`C4Offload`, planned by `hisparse.Coordinator`). Decode then runs the paged
     path (the plan needs the indexer's top-k on the host mid-forward, which a CUDA graph
-    cannot do): ``graph_decode=True`` with HiSparse raises `ValueError`."""
+    cannot do): ``graph_decode=True`` with HiSparse raises `ValueError`.
+
+    ``speculative_tokens=k``: every decode step verifies ``k`` drafted tokens per request in one
+    forward (docs/speculative.md); ``draft`` proposes them (default: the model's MTP layer,
+    `MTPDraft`). Needs ``CacheConfig(speculative=True)`` with ``k + 1 <= max_draft_len``, greedy
+    requests only, and no HiSparse (`ValueError` otherwise). With ``graph_decode`` the verify
+    steps run through `GraphVerifier`."""
 
     def __init__(
         self,
@@ -111,6 +121,8 @@ class Runner:
         max_running: int = 32,
         graph_decode: bool | None = None,
         hisparse_pages: int | None = None,
+        speculative_tokens: int | None = None,
+        draft: DraftSource | None = None,
     ) -> None:
         self.device = resolve_device(device)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -129,8 +141,15 @@ class Runner:
         self.cache = ShadowRadixCache(cache_config)
         if hisparse_pages is not None and graph_decode:
             raise ValueError("HiSparse plans on the host mid-forward: no graph decode with it")
+        draft = _check_speculation(model, cache_config, speculative_tokens, draft, hisparse_pages)
+        self._mtp = draft is not None and draft.uses_mtp
         self.pools = KVPools(
-            model, cache_config, self.device, dtype, offload_c4=hisparse_pages is not None
+            model,
+            cache_config,
+            self.device,
+            dtype,
+            offload_c4=hisparse_pages is not None,
+            mtp=self._mtp,
         )
         self.offload = None
         if hisparse_pages is not None:
@@ -155,9 +174,16 @@ class Runner:
             GraphDecoder(
                 self.weights, self.pools, cache_config, max_running, cache_config.full_capacity
             )
-            if graph_decode
+            if graph_decode and draft is None
             else None
         )
+        self.spec_tokens = speculative_tokens or 0
+        self.spec = (
+            SpeculativeDecoder(self, self.spec_tokens, draft, graph_decode)
+            if draft is not None
+            else None
+        )
+        self._step_hidden: torch.Tensor | None = None
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._next_id = 0
@@ -181,6 +207,11 @@ class Runner:
     def _validate(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be SamplingParams")
+        if self.spec is not None and params.temperature != 0:
+            raise InvalidRequestError(
+                "speculative decoding here is greedy only (no rejection sampling): "
+                "temperature must be 0"
+            )
         if isinstance(prompt, (str, bytes)):
             raise InvalidRequestError("prompt must be a sequence of token ids (encode text first)")
         try:
@@ -192,11 +223,12 @@ class Runner:
         vocab = self.model.vocab_size
         if min(tokens) < 0 or max(tokens) >= vocab:
             raise InvalidRequestError(f"prompt tokens must be in [0, {vocab})")
-        total = len(tokens) + params.max_new_tokens
+        total = len(tokens) + params.max_new_tokens + self.spec_tokens
         if total > self.cache.config.full_capacity:
             raise InvalidRequestError(
-                f"prompt + max_new_tokens = {total} tokens exceeds the full pool "
-                f"({self.cache.config.full_capacity} tokens): it could never run"
+                f"prompt + max_new_tokens (+ {self.spec_tokens} draft tokens) = {total} tokens "
+                f"exceeds the full pool ({self.cache.config.full_capacity} tokens): "
+                "it could never run"
             )
         return tokens
 
@@ -248,7 +280,7 @@ class Runner:
     def _fits(self, seq: _Seq) -> bool:
         """Admission control: room for the whole request in both pools right now."""
         st, p = self.cache.stats(), self.cache.config.page_size
-        need = -(-(len(seq.tokens) + seq.params.max_new_tokens) // p)
+        need = -(-(len(seq.tokens) + seq.params.max_new_tokens + self.spec_tokens) // p)
         full_room = st.full.free_pages + st.full.evictable_pages
         swa_room = st.swa.free_pages + st.swa.evictable_pages
         window_pages = -(-(self.cache.config.window + min(self.chunk_tokens, len(seq.tokens))) // p)
@@ -268,22 +300,34 @@ class Runner:
         self._waiting.appendleft(victim)
         return True
 
-    def _extend(self, seqs: list[_Seq], chunks: list[list[int]]):
-        """``extend_batch`` that preempts other requests until it fits. Returns the surviving
-        (seqs, chunks) and the allocation, or raises `CapacityError` if nothing can yield."""
+    def _extend(self, seqs: list[_Seq], chunks: list[list[int]], draft: bool = False):
+        """``extend_batch`` (``extend_draft_batch`` for a ``draft``) that preempts other requests
+        until it fits. Returns the surviving (seqs, chunks) and the allocation, or raises
+        `CapacityError` if nothing can yield."""
         while True:
             live = [(s, c) for s, c in zip(seqs, chunks) if s.request is not None]
             if not live:
                 return [], [], None
             seqs, chunks = [s for s, _ in live], [c for _, c in live]
             try:
-                alloc = self.cache.extend_batch([s.req for s in seqs], chunks)
+                extend = self.cache.extend_draft_batch if draft else self.cache.extend_batch
+                alloc = extend([s.req for s in seqs], chunks)
                 return seqs, chunks, alloc
             except CapacityError:
                 if not self._preempt():
                     raise
 
-    def _forward(self, seqs: list[_Seq], chunks: list[list[int]], alloc, logits_for: list[bool]):
+    def _forward(
+        self,
+        seqs: list[_Seq],
+        chunks: list[list[int]],
+        alloc,
+        logits_for: list[bool],
+        all_rows: bool = False,
+    ):
+        """Logits of each chunk's last row where ``logits_for`` (of every row: ``all_rows``).
+        With the MTP layer kept, also its state, and each request's hidden state at its chunk's
+        end (every row's in ``_step_hidden``)."""
         t0 = time.perf_counter()
         plans = [self.cache.read_plan(s.req, start=st) for s, st in zip(seqs, alloc.starts)]
         flat = np.fromiter((t for c in chunks for t in c), np.int64)
@@ -293,20 +337,44 @@ class Runner:
             self.offload.begin_step(step.streams[4].entry_slots_np)
         ends = np.cumsum([len(c) for c in chunks]) - 1
         rows = [int(e) for e, want in zip(ends, logits_for) if want]
+        logit_rows = None if all_rows else torch.tensor(rows, device=self.device, dtype=torch.long)
         t1 = time.perf_counter()
-        logits = run_step(
-            self.weights,
-            self.pools,
-            step,
-            torch.tensor(rows, device=self.device, dtype=torch.long),
-            self.offload,
-        )
+        if self._mtp:
+            logits = self._forward_mtp(seqs, chunks, alloc, step, logit_rows)
+        else:
+            logits = run_step(self.weights, self.pools, step, logit_rows, self.offload)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
         self.stats.schedule_s += t1 - t0
         self.stats.forward_s += t2 - t1
         return logits
+
+    def _forward_mtp(self, seqs: list[_Seq], chunks: list[list[int]], alloc, step, logit_rows):
+        prev = torch.stack([self._hidden_of(s, start) for s, start in zip(seqs, alloc.starts)])
+        first = np.cumsum([0] + [len(c) for c in chunks[:-1]])
+        logits, hidden = run_step_mtp(
+            self.weights,
+            self.pools,
+            step,
+            logit_rows,
+            prev,
+            torch.from_numpy(first).to(self.device),
+            self.cache.config.page_size,
+        )
+        for s, end in zip(seqs, np.cumsum([len(c) for c in chunks]) - 1):
+            s.hidden = (s.req, hidden[int(end)])
+        self._step_hidden = hidden
+        return logits
+
+    def _hidden_of(self, seq: _Seq, start: int | None = None) -> torch.Tensor:
+        """The main hidden state before ``start`` (default: the request's length): kept from
+        the request's last forward, or read from the pools when it resumes on a prefix hit."""
+        req = seq.req
+        if seq.hidden is not None and seq.hidden[0] is req:
+            return seq.hidden[1]
+        at = req.length if start is None else start
+        return resume_hidden(self.pools, req, at, self.cache.config.page_size)
 
     def _graph_forward(self, seqs: list[_Seq], tokens: list[int]) -> torch.Tensor:
         assert self.decoder is not None
@@ -365,6 +433,8 @@ class Runner:
             seqs = self._fit_decode_batch(seqs)
         if not seqs:
             return []
+        if self.spec is not None:
+            return self.spec.decode(self, seqs)
         chunks = [[s.result.output[-1]] for s in seqs]
         seqs, chunks, alloc = self._extend(seqs, chunks)
         if alloc is None:
@@ -453,3 +523,35 @@ class Runner:
         """Results of `submit`ted requests that finished inside a `generate` call."""
         out, self._unclaimed = self._unclaimed, []
         return out
+
+
+def _check_speculation(
+    model: ModelConfig,
+    cache_config: CacheConfig,
+    num_tokens: int | None,
+    draft: DraftSource | None,
+    hisparse_pages: int | None,
+) -> DraftSource | None:
+    """The draft source of a speculative runner (`MTPDraft` by default), ``None`` without
+    speculation; `ValueError` for a combination the runner cannot run."""
+    if num_tokens is None:
+        if draft is not None:
+            raise ValueError("a draft source needs speculative_tokens=k")
+        return None
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"speculative_tokens must be an int >= 1, got {num_tokens!r}")
+    if not cache_config.speculative:
+        raise ValueError("speculative decoding needs CacheConfig(speculative=True)")
+    limit = cache_config.max_draft_len
+    if limit is not None and num_tokens + 1 > limit:
+        raise ValueError(
+            f"speculative_tokens={num_tokens} verifies {num_tokens + 1} tokens per step, more "
+            f"than the cache's max_draft_len={limit}"
+        )
+    if hisparse_pages is not None:
+        raise ValueError("speculative decoding with HiSparse is not supported")
+    if draft is None:
+        if not model.mtp:
+            raise ValueError("the model has no MTP layer: pass a draft source")
+        draft = MTPDraft()
+    return draft
