@@ -167,22 +167,27 @@ def reference_mtp_logits(weights: ModelWeights, tokens: list[int] | torch.Tensor
 
 
 @torch.no_grad()
-def reference_mtp_draft(weights: ModelWeights, tokens: list[int], num_tokens: int) -> list[int]:
+def reference_mtp_draft(
+    weights: ModelWeights, tokens: list[int], num_tokens: int
+) -> tuple[list[int], torch.Tensor]:
     """The MTP's greedy draft of ``num_tokens`` tokens after ``tokens`` (the last one is the
     pending token, not yet run through the main model), recomputed densely for every token:
     draft ``j`` comes from the MTP row at ``len(tokens) - 1 + j`` whose previous hidden state is
-    the main model's for ``j = 0`` and the MTP's own row before it afterwards."""
+    the main model's for ``j = 0`` and the MTP's own row before it afterwards. Returns the
+    drafts and their logits ``(num_tokens, V)``."""
     dev, keys = weights.device, DenseKeys(weights.config)
     ids = torch.as_tensor(tokens, dtype=torch.long, device=dev)
     main = final_hidden(weights, ids, torch.arange(len(tokens), device=dev), keys)
     prev = torch.cat((main.new_zeros(1, main.shape[1]), main[:-1]))
     drafts: list[int] = []
+    logits = []
     for _ in range(num_tokens):
         seq = torch.cat((ids, torch.as_tensor(drafts, dtype=torch.long, device=dev)))
         h = mtp_hidden(weights, prev, seq, torch.arange(len(seq), device=dev), keys)
-        drafts.append(int(mtp_logits(weights, h[-1:])[0].argmax()))
+        logits.append(mtp_logits(weights, h[-1:])[0])
+        drafts.append(int(logits[-1].argmax()))
         prev = torch.cat((prev, h[-1:]))
-    return drafts
+    return drafts, torch.stack(logits)
 
 
 # -- drafting over the pools --------------------------------------------------------------------
@@ -228,6 +233,8 @@ class MTPDrafter(GraphDecoder):
         self.num_tokens = num_tokens
         cfg = weights.config
         self.hidden = torch.zeros(max_batch, cfg.hidden, device=weights.device, dtype=weights.dtype)
+        #: ``(batch bucket, k, V)`` logits of the last draft (a graph's output buffer on CUDA)
+        self.last_logits: torch.Tensor | None = None
 
     @torch.no_grad()
     def _run(self, batch: int, context: int) -> torch.Tensor:
@@ -240,12 +247,14 @@ class MTPDrafter(GraphDecoder):
         pool = self.pools.swa[cfg.num_layers]
         committed = pool[_page_lookup(buf.stable[:batch], cpos, p) * p + cpos % p]
         temp = committed.new_zeros(batch, self.num_tokens, cfg.head_dim)
-        tokens, hidden, out = buf.tokens[:batch], self.hidden[:batch], []
+        tokens, hidden, out, logits = buf.tokens[:batch], self.hidden[:batch], [], []
         for j in range(self.num_tokens):
             keys = _DraftKeys(self.weights, committed, cmask, temp, valid, j)
             hidden = mtp_hidden(self.weights, hidden, tokens, length + j, keys)
-            tokens = mtp_logits(self.weights, hidden).argmax(dim=-1)
+            logits.append(mtp_logits(self.weights, hidden))
+            tokens = logits[-1].argmax(dim=-1)
             out.append(tokens)
+        self.last_logits = torch.stack(logits, dim=1)
         return torch.stack(out, dim=1)
 
     def draft(
