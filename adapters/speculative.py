@@ -266,6 +266,8 @@ class SpeculativeDecoder:
         for s, e in zip(seqs, emitted):
             for tok in e:
                 done += runner._emit(s, tok)
+            # the cache holds prompt + output[:-1]: exactly one token pending
+            assert s.request is None or s.request.length == len(s.tokens) - 1
         return done
 
     def _verify(self, runner: Runner, seqs: list[_Seq], chunks: list[list[int]], alloc):

@@ -281,39 +281,70 @@ def test_preemption_under_speculation(make_runner) -> None:
 # -- graph verify against the paged verify ------------------------------------------------------
 
 
-@pytest.mark.parametrize("page", [1, 4, 16])
-def test_graph_verify_step_equals_paged_step(page: int) -> None:
-    """One verify step of several requests (positions across group and page ends): logits,
-    hidden states and every pool row written by `GraphVerifier` equal the paged forward of the
-    same `Allocation` (except sentinel rows, which padding writes)."""
-    t_len = 4
+def _verify_both_ways(cache, pools, ver, reqs, chunks) -> None:
+    """Draft ``chunks`` onto ``reqs``, run the verify step through the paged forward and through
+    `GraphVerifier` from the same pool contents: logits equal, every pool row equal (except the
+    sentinel rows, which padding writes); the verifier's writes are kept."""
+    alloc = cache.extend_draft_batch(reqs, chunks)
+    saved = [t.clone() for t in _all_pools(pools)]
+    plans = [cache.read_plan(r, start=s) for r, s in zip(reqs, alloc.starts)]
+    step = build_step(CFG, alloc, plans, np.array(sum(chunks, [])), "cpu")
+    want = run_step(weights(), pools, step, None)
+    paged = [t.clone() for t in _all_pools(pools)]
+    for t, before in zip(_all_pools(pools), saved):
+        t.copy_(before)
+    got, _ = ver.verify(reqs, chunks)
+    assert torch.equal(got, want)
+    for a, b in zip(_all_pools(pools), paged):
+        torch.testing.assert_close(a[:-1], b[:-1], rtol=0, atol=1e-13)
+
+
+def _verify_world(page: int, batch: int = 4):
     cc = CFG.cache_config(
         page_size=page, full_capacity=512, swa_capacity=256, debug=True, speculative=True
     )
     cache = ShadowRadixCache(cc)
-    pools = KVPools(CFG, cc, "cpu", torch.float64, mtp=True)
-    w = weights()
-    reqs = [cache.admit(STEM[:n]) for n in (13, 30, 3)]
-    prefill = cache.extend_batch(reqs, [STEM[:13], STEM[:30], STEM[:3]])
-    plans = [cache.read_plan(r, start=0) for r in reqs]
-    step = build_step(CFG, prefill, plans, np.array(STEM[:13] + STEM[:30] + STEM[:3]), "cpu")
-    run_step(w, pools, step, None)
-    chunks = [[5, 6, 7, 8], [9, 10, 11, 12], [1, 2, 3, 4]]
-    alloc = cache.extend_draft_batch(reqs, chunks)
-    twin = [t.clone() for t in _all_pools(pools)]
+    pools = KVPools(CFG, cc, "cpu", torch.float64)
+    ver = GraphVerifier(weights(), pools, cc, batch, cc.full_capacity, 4, min_context_bucket=8)
+    return cache, pools, ver
+
+
+def _prefill(cache, pools, reqs) -> None:
+    chunks = [r.prompt_remaining.tolist() for r in reqs]
+    alloc = cache.extend_batch(reqs, chunks)
     plans = [cache.read_plan(r, start=s) for r, s in zip(reqs, alloc.starts)]
-    step = build_step(CFG, alloc, plans, np.array(sum(chunks, [])), "cpu")
-    want = run_step(w, pools, step, None)
-    paged_pools = [t.clone() for t in _all_pools(pools)]
-    for t, saved in zip(_all_pools(pools), twin):
-        t.copy_(saved)
-    ver = GraphVerifier(w, pools, cc, 4, cc.full_capacity, t_len, mtp=False, min_context_bucket=8)
-    got, _ = ver.verify(reqs, chunks)
-    assert torch.equal(got, want)
-    for a, b in zip(_all_pools(pools), paged_pools):
-        torch.testing.assert_close(a[:-1], b[:-1], rtol=0, atol=1e-13)
+    run_step(
+        weights(), pools, build_step(CFG, alloc, plans, np.array(sum(chunks, [])), "cpu"), None
+    )
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_graph_verify_step_equals_paged_step(page: int) -> None:
+    """One verify step of several requests (positions across group and page ends): logits and
+    every pool row written by `GraphVerifier` equal the paged forward of the same `Allocation`."""
+    cache, pools, ver = _verify_world(page)
+    reqs = [cache.admit(STEM[:n]) for n in (13, 30, 3)]
+    _prefill(cache, pools, reqs)
+    _verify_both_ways(cache, pools, ver, reqs, [[5, 6, 7, 8], [9, 10, 11, 12], [1, 2, 3, 4]])
     for r in reqs:
         cache.rollback(r, 2)
+        cache.finish(r)
+
+
+def test_graph_verify_uploads_again_the_pages_of_a_rejected_draft() -> None:
+    """A rejected draft's pages go back to the allocator and another request takes them: the
+    next verify of the first request must use its new page ids, not the device table's stale
+    ones (whose slots now belong to the other request)."""
+    cache, pools, ver = _verify_world(page=2)
+    a, b = cache.admit(STEM[:5]), cache.admit(STEM[10:17])
+    _prefill(cache, pools, [a, b])
+    _verify_both_ways(cache, pools, ver, [a], [[1, 2, 3, 4]])
+    cache.rollback(a, 3)  # keeps one token: the pages of positions 7, 8 go back
+    taken = cache.extend(b, [7, 7, 7, 7])  # b takes them
+    assert taken.num_tokens == 4
+    _verify_both_ways(cache, pools, ver, [a, b], [[5, 6, 7, 8], [1, 1, 1, 1]])
+    for r in (a, b):
+        cache.rollback(r, 4)
         cache.finish(r)
 
 
