@@ -146,7 +146,7 @@ def verify_metadata(
     if pools.page_hidden is not None:
         ends = valid & ((pos + 1) % p == 0)
         page_rows = torch.where(ends, page_s, pools.sentinel(pools.page_hidden))
-    row_batch = torch.arange(batch, device=dev).repeat_interleave(t_len)
+    row_batch = torch.arange(batch * t_len, device=dev) // t_len
     streams = {}
     for s in cache.streams:
         streams[s.ratio] = _stream_meta(cache, pools, s, buf, batch, context, pos, valid, page_s)
