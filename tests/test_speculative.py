@@ -14,6 +14,10 @@ request left, ``check_invariants()`` passes (debug caches check after every call
 from __future__ import annotations
 
 import functools
+import importlib.util
+import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -452,3 +456,32 @@ def test_bad_drafts_raise_draft_error_before_touching_the_cache(make_runner, bad
         r.cache.abort(seq.req)
         seq.request = None
     r._running.clear()
+
+
+# -- the benchmark ------------------------------------------------------------------------------
+
+
+def test_speculative_bench_runs(tmp_path, monkeypatch, capsys) -> None:
+    """bench/speculative.py checks greedy equality, then times; a tiny run stays runnable."""
+    path = Path(__file__).resolve().parents[1] / "bench/speculative.py"
+    spec = importlib.util.spec_from_file_location("bench_speculative", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_speculative", bench)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    argv = "--batches 2 --ks 2 --sources oracle:1.0,mtp --prompt-len 40 --new-tokens 6 "
+    argv += f"--check-tokens 4 --page-size 16 --chunk-tokens 64 --json {out}"
+    monkeypatch.setattr(sys, "argv", ["speculative.py", *argv.split()])
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main() == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = json.loads(out.read_text())
+    assert [(r["source"], r["k"], r["batch"]) for r in rows] == [
+        ("oracle:1.0", 2, 2),
+        ("mtp", 2, 2),
+    ]
+    assert rows[0]["acceptance_rate"] == 1.0 and rows[0]["agree"] == 1.0
+    assert "equal the plain run" in capsys.readouterr().out
