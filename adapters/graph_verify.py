@@ -220,7 +220,7 @@ def shared_index_scores(
         return torch.bmm(w.to(keys.dtype)[:, None, :], dots)[:, 0, :].float()
     dt = ops.acc_dtype(q)
     qb = q.to(dt).reshape(b, t_len * hi, di)
-    dots = torch.einsum("bxd,bed->bxe", qb, keys.to(dt)).view(n, hi, e)
+    dots = torch.einsum("bxd,bed->bxe", qb, keys.to(dt)).reshape(n, hi, e)
     return torch.einsum("nh,nhe->ne", w.to(dt), torch.relu(dots))
 
 

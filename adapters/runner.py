@@ -362,8 +362,9 @@ class Runner:
             torch.from_numpy(first).to(self.device),
             self.cache.config.page_size,
         )
-        for s, end in zip(seqs, np.cumsum([len(c) for c in chunks]) - 1):
-            s.hidden = (s.req, hidden[int(end)])
+        ends = torch.from_numpy(np.cumsum([len(c) for c in chunks]) - 1).to(self.device)
+        for s, h in zip(seqs, hidden[ends]):  # a copy: the step's (N, D) tensor is not kept
+            s.hidden = (s.req, h)
         self._step_hidden = hidden
         return logits
 

@@ -70,9 +70,14 @@ class DraftSource(Protocol):
 
     uses_mtp: bool
 
-    def bind(self, context: DraftContext) -> None: ...
+    def bind(self, context: DraftContext) -> None:
+        """Called once by the runner before any `propose`."""
+        ...
 
-    def propose(self, batch: DraftBatch) -> list[list[int]]: ...
+    def propose(self, batch: DraftBatch) -> list[list[int]]:
+        """Exactly ``batch.num_tokens`` token ids per request (else the runner raises
+        `DraftError`)."""
+        ...
 
 
 class OracleDraft:
@@ -257,9 +262,11 @@ class SpeculativeDecoder:
         ]
         for i in reversed(range(len(seqs))):  # reverse: a full rejection restores the stacks
             runner.cache.rollback(seqs[i].req, t - len(emitted[i]))
-        if hidden is not None:
-            for i, (s, e) in enumerate(zip(seqs, emitted)):
-                s.hidden = (s.req, hidden[i * t + len(e) - 1])
+        if hidden is not None:  # the last kept row's (a copy: graph outputs are reused)
+            rows = [i * t + len(e) - 1 for i, e in enumerate(emitted)]
+            kept = hidden[torch.tensor(rows, device=hidden.device)]
+            for s, h in zip(seqs, kept):
+                s.hidden = (s.req, h)
         self._count(seqs, emitted, accepted)
         runner.stats.decode_tokens += sum(len(e) for e in emitted)
         done: list[GenerationResult] = []

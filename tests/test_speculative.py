@@ -23,10 +23,11 @@ import numpy as np
 import pytest
 import torch
 
-from adapters.graph_verify import GraphVerifier
+from adapters import ops
+from adapters.graph_verify import GraphVerifier, shared_index_scores
 from adapters.model import final_hidden
 from adapters.model_config import preset
-from adapters.mtp import reference_mtp_draft, reference_mtp_logits
+from adapters.mtp import MTPDrafter, reference_mtp_draft, reference_mtp_logits, resume_hidden
 from adapters.paged import build_step, run_step
 from adapters.pools import KVPools
 from adapters.reference import DenseKeys, reference_generate
@@ -485,3 +486,44 @@ def test_speculative_bench_runs(tmp_path, monkeypatch, capsys) -> None:
     ]
     assert rows[0]["acceptance_rate"] == 1.0 and rows[0]["agree"] == 1.0
     assert "equal the plain run" in capsys.readouterr().out
+
+
+def test_misuse_of_the_building_blocks_raises_clearly() -> None:
+    cc = CFG.cache_config(page_size=4, full_capacity=256, swa_capacity=128, speculative=True)
+    plain_pools = KVPools(CFG, cc, "cpu", torch.float64)
+    with pytest.raises(ValueError, match="mtp=True"):
+        GraphVerifier(weights(), plain_pools, cc, 2, 256, 3, mtp=True)
+    with pytest.raises(ValueError, match="mtp=True"):
+        MTPDrafter(weights(), plain_pools, cc, 2, 256, 3)
+    no_mtp = init_weights(preset("tiny", **SMALL, window=16, compress_ratios=(0, 4, 16, 4),
+                                 mtp=False), "cpu", torch.float64)  # fmt: skip
+    with pytest.raises(ValueError, match="no MTP layer"):
+        reference_mtp_logits(no_mtp, [1, 2, 3])
+    with pytest.raises(RuntimeError, match="not bound"):
+        MTPDraft().propose(DraftBatch((), ([1],), ([2],), torch.zeros(1, CFG.hidden), 2))
+    cache, pools = ShadowRadixCache(cc), KVPools(CFG, cc, "cpu", torch.float64, mtp=True)
+    r = cache.admit(STEM[:6])
+    cache.extend(r, STEM[:6])
+    with pytest.raises(RuntimeError, match="mid-page"):
+        resume_hidden(pools, r, 6, 4)  # hidden states are kept at page ends only
+    assert torch.equal(resume_hidden(pools, r, 4, 4), pools.page_hidden[r.swa_pages[0]])
+    ver = GraphVerifier(weights(), pools, cc, 2, 256, 3)
+    cache.extend_draft(r, [1, 2, 3])
+    with pytest.raises(ValueError, match="exactly 3 tokens"):
+        ver.verify([r], [[1, 2]])
+    cache.rollback(r, 3)
+    cache.finish(r)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_shared_index_scores_equal_per_query_scores(dtype) -> None:
+    """The verify step scores each request's keys once for its T queries: the same values as
+    `ops.index_scores` over per-query copies of the keys, in both precision policies."""
+    gen = torch.Generator().manual_seed(3)
+    b, t_len, hi, di, e = 3, 4, 2, 16, 10
+    q = torch.randn(b * t_len, hi, di, generator=gen).to(dtype)
+    w = torch.randn(b * t_len, hi, generator=gen).to(dtype)
+    keys = torch.randn(b, e, di, generator=gen).to(dtype)
+    per_query = keys.repeat_interleave(t_len, dim=0)
+    want = ops.index_scores(q, w, per_query)
+    torch.testing.assert_close(shared_index_scores(q, w, keys, t_len), want, rtol=1e-6, atol=1e-5)
