@@ -26,6 +26,7 @@ from shadowradix import CacheConfig
 from shadowradix.request import Request
 
 from .graph_verify import GraphVerifier
+from .model_config import VOCAB_SIZE
 from .mtp import MTPDrafter
 from .pools import KVPools
 from .weights import ModelWeights
@@ -101,7 +102,7 @@ class OracleDraft:
         self.accept_rate = accept_rate
         self._table = {tuple(p): list(c) for p, c in continuations.items()}
         self._rng = np.random.default_rng(seed)
-        self._vocab = 0
+        self._vocab = VOCAB_SIZE  # the bound model's, once bound
 
     def bind(self, context: DraftContext) -> None:
         self._vocab = context.weights.config.vocab_size
