@@ -267,7 +267,7 @@ class VerifyKeys:
         )
         pool[sm.entry_slot] = ent.to(pool.dtype)
 
-    def _compress_fused(  # pragma: no cover - needs a GPU
+    def _compress_fused(
         self, layer, comp, sm: VerifyStreamMeta, ring, pool, rows: torch.Tensor
     ) -> None:
         """The Flash Compressor's decode kernel over the T rows of each request: storing the
@@ -280,6 +280,12 @@ class VerifyKeys:
             theta=self.cfg.rope_theta, eps=self.cfg.norm_eps, out_dtype=pool.dtype,
         )  # fmt: skip
         pool[sm.entry_slot] = ent
+
+    def _compress_fused_on_cpu(self, layer, comp, sm: VerifyStreamMeta, ring, pool) -> None:
+        """The CUDA path's layout on any device (tests): `kernels.compress_gathered` falls
+        back to its torch reference off the GPU."""
+        rows = ops.compressor_rows(layer.x, comp, layer.positions).to(ring.dtype)
+        self._compress_fused(layer, comp, sm, ring, pool, rows)
 
     def _select(self, layer: LayerInput, sm: VerifyStreamMeta):
         cfg, i = self.cfg, layer.index

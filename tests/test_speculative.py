@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from adapters import ops
-from adapters.graph_verify import GraphVerifier, shared_index_scores
+from adapters.graph_verify import GraphVerifier, VerifyKeys, shared_index_scores
 from adapters.model import final_hidden
 from adapters.model_config import preset
 from adapters.mtp import MTPDrafter, reference_mtp_draft, reference_mtp_logits, resume_hidden
@@ -333,6 +333,30 @@ def test_graph_verify_step_equals_paged_step(page: int) -> None:
     _verify_both_ways(cache, pools, ver, reqs, [[5, 6, 7, 8], [9, 10, 11, 12], [1, 2, 3, 4]])
     for r in reqs:
         cache.rollback(r, 2)
+        cache.finish(r)
+
+
+@pytest.mark.parametrize("page", [4, 16])
+def test_graph_verify_fused_compressor_layout_is_safe(monkeypatch, page: int) -> None:
+    """The CUDA path stores the step's ring rows before gathering each completing group's rows
+    (one Flash Compressor kernel). Run that layout on the CPU (the kernel's torch reference):
+    T = max_draft_len rows per request, groups completing inside the step, and the result
+    equals the paged step, so no stored row overwrote a carried one."""
+    monkeypatch.setattr(VerifyKeys, "_compress", VerifyKeys._compress_fused_on_cpu, raising=False)
+    cc = CFG.cache_config(
+        page_size=page, full_capacity=512, swa_capacity=256, debug=True, speculative=True
+    )
+    t_len = cc.max_draft_len or 9
+    cache, pools = ShadowRadixCache(cc), KVPools(CFG, cc, "cpu", torch.float64)
+    ver = GraphVerifier(weights(), pools, cc, 4, cc.full_capacity, t_len, min_context_bucket=8)
+    reqs = [cache.admit(STEM[:n]) for n in (13, 30, 7)]
+    _prefill(cache, pools, reqs)
+    for rnd in range(3):
+        chunks = [[(7 * rnd + 3 * i + j) % 256 for j in range(t_len)] for i in range(3)]
+        _verify_both_ways(cache, pools, ver, reqs, chunks)
+        for r in reqs:
+            cache.rollback(r, t_len // 2)
+    for r in reqs:
         cache.finish(r)
 
 
