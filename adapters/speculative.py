@@ -254,21 +254,7 @@ class SpeculativeDecoder:
         if alloc is None:
             return []
         logits, hidden = self._verify(runner, seqs, chunks, alloc)
-        t = self.num_tokens + 1
-        targets = logits.argmax(dim=-1).view(len(seqs), t).tolist()
-        emitted, accepted = accept_greedy([c[1:] for c in chunks], targets)
-        emitted = [
-            cut_emission(e, s.params.max_new_tokens - len(s.result.output), s.params.stop_token)
-            for s, e in zip(seqs, emitted)
-        ]
-        for i in reversed(range(len(seqs))):  # reverse: a full rejection restores the stacks
-            runner.cache.rollback(seqs[i].req, t - len(emitted[i]))
-        if hidden is not None:  # the last kept row's (a copy: graph outputs are reused)
-            rows = [i * t + len(e) - 1 for i, e in enumerate(emitted)]
-            kept = hidden[torch.tensor(rows, device=hidden.device)]
-            for s, h in zip(seqs, kept):
-                s.hidden = (s.req, h)
-        self._count(seqs, emitted, accepted)
+        emitted = self._settle(runner, seqs, chunks, logits, hidden)
         runner.stats.decode_tokens += sum(len(e) for e in emitted)
         done: list[GenerationResult] = []
         for s, e in zip(seqs, emitted):
@@ -277,6 +263,27 @@ class SpeculativeDecoder:
             # the cache holds prompt + output[:-1]: exactly one token pending
             assert s.request is None or s.request.length == len(s.tokens) - 1
         return done
+
+    def _settle(self, runner: Runner, seqs, chunks, logits, hidden) -> list[list[int]]:
+        """Accepts, cuts at max_new_tokens / stop tokens, rolls back the rest (in reverse batch
+        order: a full rejection restores the free stacks exactly) and keeps the hidden state
+        of each request's last kept row. Returns the tokens to emit per request."""
+        t = self.num_tokens + 1
+        targets = logits.argmax(dim=-1).view(len(seqs), t).tolist()
+        emitted, accepted = accept_greedy([c[1:] for c in chunks], targets)
+        emitted = [
+            cut_emission(e, s.params.max_new_tokens - len(s.result.output), s.params.stop_token)
+            for s, e in zip(seqs, emitted)
+        ]
+        for i in reversed(range(len(seqs))):
+            runner.cache.rollback(seqs[i].req, t - len(emitted[i]))
+        if hidden is not None:  # copies: graph outputs are reused
+            rows = [i * t + len(e) - 1 for i, e in enumerate(emitted)]
+            kept = hidden[torch.tensor(rows, device=hidden.device)]
+            for s, h in zip(seqs, kept):
+                s.hidden = (s.req, h)
+        self._count(seqs, emitted, accepted)
+        return emitted
 
     def _verify(self, runner: Runner, seqs: list[_Seq], chunks: list[list[int]], alloc):
         """Logits ``(B*T, V)`` of every row, and the rows' hidden states when MTP is kept."""
