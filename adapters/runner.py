@@ -549,6 +549,13 @@ def _check_speculation(
             f"speculative_tokens={num_tokens} verifies {num_tokens + 1} tokens per step, more "
             f"than the cache's max_draft_len={limit}"
         )
+    verify_need = num_tokens + 1 + cache_config.window + 2 * cache_config.page_size
+    if verify_need > cache_config.swa_capacity:
+        raise ValueError(
+            f"SWA pool of {cache_config.swa_capacity} tokens cannot hold a verify step of "
+            f"{num_tokens + 1} tokens plus its window (needs {verify_need}); lower "
+            "speculative_tokens"
+        )
     if hisparse_pages is not None:
         raise ValueError("speculative decoding with HiSparse is not supported")
     if draft is None:

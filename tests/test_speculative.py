@@ -428,6 +428,8 @@ def test_runner_rejects_unsupported_speculation(make_runner) -> None:
         make_runner(page=16, k=9)  # C4 at page 16: max_draft_len 9 < k + 1
     with pytest.raises(ValueError, match=">= 1"):
         make_runner(k=0)
+    with pytest.raises(ValueError, match="verify step of 9 tokens"):  # the chunk fits, k + 1 not
+        make_runner(page=4, chunk=3, swa_pages=7, k=8)
     with pytest.raises(ValueError, match="speculative_tokens"):
         make_runner(k=None, draft=oracle)
     with pytest.raises(ValueError, match="HiSparse"):

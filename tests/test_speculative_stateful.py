@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 
 import numpy as np
 import pytest
@@ -124,6 +125,16 @@ class _Log:
             delattr(self.cache, name)
 
 
+def fork(runner: Runner) -> Runner:
+    """A deep copy of the runner sharing its weights and its samplers' generators: the twin
+    never samples, and deep-copying a ``torch.Generator`` drops a reference to ``None`` (torch
+    2.13), which a long run turns into an interpreter crash."""
+    memo: dict[int, object] = {id(runner.weights): runner.weights}
+    for seq in list(runner._running) + list(runner._waiting):
+        memo[id(seq.sampler.generator)] = seq.sampler.generator
+    return copy.deepcopy(runner, memo)
+
+
 def live_state(runner: Runner) -> dict[tuple, torch.Tensor]:
     """Every pool row a later step or match can read, keyed by what it holds (request rank,
     node rank, layer, kind), not by slot number."""
@@ -208,7 +219,8 @@ class SpeculativeMachine(RuleBasedStateMachine):
     )
     def setup(self, page, k, chunk, max_running, extra_full, extra_swa, graph, source, seed):
         full = -(-LONGEST // page) * page + extra_full // page * page
-        swa = -(-(chunk + MODEL.window + 2 * page) // page) * page + extra_swa // page * page
+        step = max(chunk, k + 1)  # a prefill chunk or a verify step, plus the window
+        swa = -(-(step + MODEL.window + 2 * page) // page) * page + extra_swa // page * page
         cc = MODEL.cache_config(
             page_size=page, full_capacity=full, swa_capacity=swa, speculative=True, debug=True
         )
@@ -253,7 +265,7 @@ class SpeculativeMachine(RuleBasedStateMachine):
         r.stats.steps += 1
         r._admit()
         done = r._prefill()
-        twin = copy.deepcopy(r, {id(r.weights): r.weights})
+        twin = fork(r)
         seqs = {s.req.id: s for s in r._running}
         log = _Log(r.cache)
         try:
@@ -394,9 +406,25 @@ def test_live_state_notices_a_corrupted_row() -> None:
         lambda t: t.pools.compressed[1][int(node.vpages[0]) * spp].add_(1e-9),
         lambda t: t.pools.page_hidden[int(node.swa_pages[-1])].add_(1e-9),
     ):
-        twin = copy.deepcopy(r, {id(r.weights): r.weights})
+        twin = fork(r)
         assert all(torch.equal(v, live_state(r)[k]) for k, v in live_state(twin).items())
         corrupt(twin)
         assert not all(torch.allclose(v, live_state(r)[k], rtol=0, atol=1e-12)
                        for k, v in live_state(twin).items())  # fmt: skip
+    r.run()
+
+
+def test_fork_keeps_the_interpreter_sound() -> None:
+    """Forking a runner every step must not drop references to ``None`` (a deep-copied
+    ``torch.Generator`` does; thousands of forks crashed the interpreter at exit)."""
+    cc = MODEL.cache_config(page_size=4, full_capacity=256, swa_capacity=128, speculative=True)
+    r = Runner(MODEL, cc, device="cpu", dtype=torch.float64, weights=weights(), chunk_tokens=16,
+               speculative_tokens=2)  # fmt: skip
+    for p in PREFIXES:
+        r.submit(p, SamplingParams(max_new_tokens=4))
+    r.step()
+    before = sys.getrefcount(None)
+    for _ in range(50):
+        fork(r)  # the leak shows when a copy dies
+    assert sys.getrefcount(None) >= before - 10, "forking leaks references to None"
     r.run()
