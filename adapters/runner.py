@@ -106,8 +106,9 @@ class Runner:
 
     ``speculative_tokens=k``: every decode step verifies ``k`` drafted tokens per request in one
     forward (docs/speculative.md); ``draft`` proposes them (default: the model's MTP layer,
-    `MTPDraft`). Needs ``CacheConfig(speculative=True)`` with ``k + 1 <= max_draft_len``, greedy
-    requests only, and no HiSparse (`ValueError` otherwise). With ``graph_decode`` the verify
+    `MTPDraft`). Needs ``CacheConfig(speculative=True)`` with ``k + 1 <= max_draft_len``, an
+    SWA pool that holds ``k + 1`` tokens plus the window, greedy requests only, and no HiSparse
+    (`ValueError` otherwise). With ``graph_decode`` the verify
     steps run through `GraphVerifier`."""
 
     def __init__(
