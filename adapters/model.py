@@ -83,14 +83,28 @@ def forward(
     logit_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits ``(len(logit_rows), V)`` (all rows when ``None``) for the new tokens."""
+    hidden = final_hidden(weights, tokens, positions, keys)
+    return head_logits(weights, hidden if logit_rows is None else hidden[logit_rows])
+
+
+def final_hidden(
+    weights: ModelWeights, tokens: torch.Tensor, positions: torch.Tensor, keys: KeySource
+) -> torch.Tensor:
+    """The last layer's hidden state ``(N, D)`` (mean of the residual streams), before the
+    final norm and the head: what the MTP layer reads for the next position."""
     cfg = weights.config
     streams = embed(weights, tokens)
     for i, lw in enumerate(weights.layers):
         streams = layer_forward(cfg, i, lw, streams, positions, keys)
-    if logit_rows is not None:
-        streams = streams[logit_rows]
-    final = ops.rms_norm(streams.mean(dim=1), weights.final_norm, cfg.norm_eps)
-    return (final @ weights.head).float()
+    return streams.mean(dim=1)
+
+
+def head_logits(
+    weights: ModelWeights, hidden: torch.Tensor, norm: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp32 logits of hidden states: ``norm`` (the final norm by default), then the head."""
+    w = weights.final_norm if norm is None else norm
+    return (ops.rms_norm(hidden, w, weights.config.norm_eps) @ weights.head).float()
 
 
 def compress_rows(

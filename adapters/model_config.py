@@ -54,6 +54,9 @@ class ModelConfig:
     seed: int = 0
     kv_sources: tuple[int, ...] = ()
     index_sources: tuple[int, ...] = ()
+    #: one extra SWA-only MTP layer for speculative drafts (weights from their own generator,
+    #: so the main model's weights are the same with or without it); see docs/speculative.md
+    mtp: bool = True
 
     def __post_init__(self) -> None:
         if self.head_dim % 2 or self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:

@@ -87,7 +87,11 @@ class KVPools:
 
     ``track_late_swa`` (tail-only prefill): ``late_swa_valid[slot]`` says whether the layers
     after the last KV source hold the latent of SWA ``slot``. Tail-only prefill writes those
-    layers' SWA only for the last W tokens of each chunk; reads of the others are masked."""
+    layers' SWA only for the last W tokens of each chunk; reads of the others are masked.
+    ``mtp``: also the MTP layer's state (docs/speculative.md): its SWA KV as one more SWA
+    layer (``swa[model.num_layers]``, the same slots as every layer), and ``page_hidden``: per
+    SWA page, the main model's last hidden state at the page's last position, which a request
+    resuming at that page boundary feeds to the MTP row of its first new token."""
 
     def __init__(
         self,
@@ -97,6 +101,7 @@ class KVPools:
         dtype: torch.dtype,
         offload_c4: bool = False,
         track_late_swa: bool = False,
+        mtp: bool = False,
     ) -> None:
         if cache.window != model.window or cache.compress_ratios != model.compress_ratios:
             raise ValueError("cache config does not match the model (window / compress_ratios)")
@@ -105,6 +110,10 @@ class KVPools:
         self.state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         swa_slots = cache.max_swa_pages * cache.page_size
         self.swa = [self._zeros(swa_slots, model.head_dim) for _ in model.compress_ratios]
+        self.page_hidden: torch.Tensor | None = None
+        if mtp:
+            self.swa.append(self._zeros(swa_slots, model.head_dim))
+            self.page_hidden = self._zeros(cache.max_swa_pages, model.hidden)
         self.compressed: dict[int, torch.Tensor] = {}
         self.ring: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}

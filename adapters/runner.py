@@ -31,10 +31,12 @@ from shadowradix.request import Request
 from .device import resolve_device
 from .graph_decode import GraphDecoder
 from .model_config import ModelConfig
+from .mtp import resume_hidden, run_step_mtp
 from .paged import build_step, run_step, run_tail_only_step
 from .pools import KVPools
 from .replay import replay_step
 from .sampling import Sampler, SamplingParams, sample_batch
+from .speculative import DraftSource, MTPDraft, SpeculativeDecoder
 from .weights import ModelWeights, init_weights
 
 
@@ -103,6 +105,8 @@ class _Seq:
     admitted_at: int = 0
     #: next position of the admission's pending window rebuild (``None``: nothing to replay)
     replay_at: int | None = None
+    #: (cache request, main hidden state at its last computed position): MTP drafts only
+    hidden: tuple[Request, torch.Tensor] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -145,7 +149,14 @@ class Runner:
     last ``window`` tokens of each request's chunk. Needs cross-layer sharing with layers after
     the last KV source (`ValueError` otherwise); results that may differ from an exact run are
     flagged ``approximate``; requests asking for prompt logprobs raise
-    `UnsupportedRequestError`."""
+    `UnsupportedRequestError`.
+
+    ``speculative_tokens=k``: every decode step verifies ``k`` drafted tokens per request in one
+    forward (docs/speculative.md); ``draft`` proposes them (default: the model's MTP layer,
+    `MTPDraft`). Needs ``CacheConfig(speculative=True)`` with ``k + 1 <= max_draft_len``, an
+    SWA pool that holds ``k + 1`` tokens plus the window, greedy requests only, and no HiSparse
+    (`ValueError` otherwise). With ``graph_decode`` the verify
+    steps run through `GraphVerifier`."""
 
     def __init__(
         self,
@@ -159,6 +170,8 @@ class Runner:
         graph_decode: bool | None = None,
         hisparse_pages: int | None = None,
         tail_only: bool = False,
+        speculative_tokens: int | None = None,
+        draft: DraftSource | None = None,
     ) -> None:
         self.device = resolve_device(device)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -175,6 +188,13 @@ class Runner:
         self.cache = ShadowRadixCache(cache_config)
         if hisparse_pages is not None and graph_decode:
             raise ValueError("HiSparse plans on the host mid-forward: no graph decode with it")
+        draft = _check_speculation(model, cache_config, speculative_tokens, draft, hisparse_pages)
+        self._mtp = draft is not None and draft.uses_mtp
+        if self._mtp and tail_only:
+            raise ValueError(
+                "MTP drafts with tail-only prefill are not supported: the MTP layer reads the "
+                "main model's hidden state at every prompt position (use another draft source)"
+            )
         self.pools = KVPools(
             model,
             cache_config,
@@ -182,6 +202,7 @@ class Runner:
             dtype,
             offload_c4=hisparse_pages is not None,
             track_late_swa=tail_only,
+            mtp=self._mtp,
         )
         self.offload = None
         if hisparse_pages is not None:
@@ -202,13 +223,25 @@ class Runner:
         self.stats = RunnerStats()
         if graph_decode is None:
             graph_decode = self.device.type == "cuda"
+        if draft is not None and graph_decode and model.kv_sources:
+            raise ValueError(
+                "graph verify (speculative decoding with graph_decode) does not support V4.1 "
+                "cross-layer sharing yet: pass graph_decode=False (paged verify)"
+            )
         self.decoder = (
             GraphDecoder(
                 self.weights, self.pools, cache_config, max_running, cache_config.full_capacity
             )
-            if graph_decode
+            if graph_decode and draft is None
             else None
         )
+        self.spec_tokens = speculative_tokens or 0
+        self.spec = (
+            SpeculativeDecoder(self, self.spec_tokens, draft, graph_decode)
+            if draft is not None
+            else None
+        )
+        self._step_hidden: torch.Tensor | None = None
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._next_id = 0
@@ -240,6 +273,11 @@ class Runner:
                 "prompt_logprobs is not supported with tail-only prefill: the layers after the "
                 "last KV source compute only the last window of each chunk"
             )
+        if self.spec is not None and params.temperature != 0:
+            raise InvalidRequestError(
+                "speculative decoding here is greedy only (no rejection sampling): "
+                "temperature must be 0"
+            )
         if isinstance(prompt, (str, bytes)):
             raise InvalidRequestError("prompt must be a sequence of token ids (encode text first)")
         try:
@@ -251,11 +289,12 @@ class Runner:
         vocab = self.model.vocab_size
         if min(tokens) < 0 or max(tokens) >= vocab:
             raise InvalidRequestError(f"prompt tokens must be in [0, {vocab})")
-        total = len(tokens) + params.max_new_tokens
+        total = len(tokens) + params.max_new_tokens + self.spec_tokens
         if total > self.cache.config.full_capacity:
             raise InvalidRequestError(
-                f"prompt + max_new_tokens = {total} tokens exceeds the full pool "
-                f"({self.cache.config.full_capacity} tokens): it could never run"
+                f"prompt + max_new_tokens (+ {self.spec_tokens} draft tokens) = {total} tokens "
+                f"exceeds the full pool ({self.cache.config.full_capacity} tokens): "
+                "it could never run"
             )
         return tokens
 
@@ -315,7 +354,7 @@ class Runner:
     def _fits(self, seq: _Seq) -> bool:
         """Admission control: room for the whole request in both pools right now."""
         st, p = self.cache.stats(), self.cache.config.page_size
-        need = -(-(len(seq.tokens) + seq.params.max_new_tokens) // p)
+        need = -(-(len(seq.tokens) + seq.params.max_new_tokens + self.spec_tokens) // p)
         full_room = st.full.free_pages + st.full.evictable_pages
         swa_room = st.swa.free_pages + st.swa.evictable_pages
         window_pages = -(-(self.cache.config.window + min(self.chunk_tokens, len(seq.tokens))) // p)
@@ -336,16 +375,18 @@ class Runner:
         self._waiting.appendleft(victim)
         return True
 
-    def _extend(self, seqs: list[_Seq], chunks: list[list[int]]):
-        """``extend_batch`` that preempts other requests until it fits. Returns the surviving
-        (seqs, chunks) and the allocation, or raises `CapacityError` if nothing can yield."""
+    def _extend(self, seqs: list[_Seq], chunks: list[list[int]], draft: bool = False):
+        """``extend_batch`` (``extend_draft_batch`` for a ``draft``) that preempts other requests
+        until it fits. Returns the surviving (seqs, chunks) and the allocation, or raises
+        `CapacityError` if nothing can yield."""
         while True:
             live = [(s, c) for s, c in zip(seqs, chunks) if s.request is not None]
             if not live:
                 return [], [], None
             seqs, chunks = [s for s, _ in live], [c for _, c in live]
             try:
-                alloc = self.cache.extend_batch([s.req for s in seqs], chunks)
+                extend = self.cache.extend_draft_batch if draft else self.cache.extend_batch
+                alloc = extend([s.req for s in seqs], chunks)
                 return seqs, chunks, alloc
             except CapacityError:
                 if not self._preempt():
@@ -360,7 +401,9 @@ class Runner:
         plans: list[ReadPlan] | None = None,
     ):
         """Logits of the flat token ``rows`` of one forward over ``chunks``. A tail-only runner
-        runs chunks longer than the window tail-only (``rows`` are then chunk ends)."""
+        runs chunks longer than the window tail-only (``rows`` are then chunk ends). With the MTP
+        layer kept, also its state, and each request's hidden state at its chunk's end (every
+        row's in ``_step_hidden``)."""
         t0 = time.perf_counter()
         if plans is None:
             plans = [self.cache.read_plan(s.req, start=st) for s, st in zip(seqs, alloc.starts)]
@@ -374,7 +417,9 @@ class Runner:
             rows = np.searchsorted(tail_rows, rows).tolist()  # chunk ends are tail rows
         logit_rows = torch.tensor(rows, device=self.device, dtype=torch.long)
         t1 = time.perf_counter()
-        if tail_rows is None:
+        if self._mtp:  # never tail-only (refused at construction)
+            logits = self._forward_mtp(seqs, chunks, alloc, step, logit_rows)
+        elif tail_rows is None:
             logits = run_step(self.weights, self.pools, step, logit_rows, self.offload)
         else:
             tail_t = torch.from_numpy(tail_rows).to(self.device)
@@ -397,6 +442,33 @@ class Runner:
         ends = np.cumsum(sizes)
         keep = np.minimum(sizes, w)
         return np.concatenate([np.arange(e - k, e) for e, k in zip(ends, keep)])
+
+    def _forward_mtp(self, seqs: list[_Seq], chunks: list[list[int]], alloc, step, logit_rows):
+        prev = torch.stack([self._hidden_of(s, start) for s, start in zip(seqs, alloc.starts)])
+        first = np.cumsum([0] + [len(c) for c in chunks[:-1]])
+        logits, hidden = run_step_mtp(
+            self.weights,
+            self.pools,
+            step,
+            logit_rows,
+            prev,
+            torch.from_numpy(first).to(self.device),
+            self.cache.config.page_size,
+        )
+        ends = torch.from_numpy(np.cumsum([len(c) for c in chunks]) - 1).to(self.device)
+        for s, h in zip(seqs, hidden[ends]):  # a copy: the step's (N, D) tensor is not kept
+            s.hidden = (s.req, h)
+        self._step_hidden = hidden
+        return logits
+
+    def _hidden_of(self, seq: _Seq, start: int | None = None) -> torch.Tensor:
+        """The main hidden state before ``start`` (default: the request's length): kept from
+        the request's last forward, or read from the pools when it resumes on a prefix hit."""
+        req = seq.req
+        if seq.hidden is not None and seq.hidden[0] is req:
+            return seq.hidden[1]
+        at = req.length if start is None else start
+        return resume_hidden(self.pools, req, at, self.cache.config.page_size)
 
     def _graph_forward(self, seqs: list[_Seq], tokens: list[int]) -> torch.Tensor:
         assert self.decoder is not None
@@ -513,6 +585,8 @@ class Runner:
             seqs = self._fit_decode_batch(seqs)
         if not seqs:
             return []
+        if self.spec is not None:
+            return self.spec.decode(self, seqs)
         chunks = [[s.result.output[-1]] for s in seqs]
         seqs, chunks, alloc = self._extend(seqs, chunks)
         if alloc is None:
@@ -632,3 +706,42 @@ def _record_prompt_logprobs(result: GenerationResult, start: int, logits: torch.
     logprobs = torch.log_softmax(logits[:n].double(), dim=-1)
     picked = logprobs.gather(1, targets[:, None])[:, 0].tolist()
     result.prompt_logprobs[start + 1 : start + 1 + n] = picked
+
+
+def _check_speculation(
+    model: ModelConfig,
+    cache_config: CacheConfig,
+    num_tokens: int | None,
+    draft: DraftSource | None,
+    hisparse_pages: int | None,
+) -> DraftSource | None:
+    """The draft source of a speculative runner (`MTPDraft` by default), ``None`` without
+    speculation; `ValueError` for a combination the runner cannot run."""
+    if num_tokens is None:
+        if draft is not None:
+            raise ValueError("a draft source needs speculative_tokens=k")
+        return None
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"speculative_tokens must be an int >= 1, got {num_tokens!r}")
+    if not cache_config.speculative:
+        raise ValueError("speculative decoding needs CacheConfig(speculative=True)")
+    limit = cache_config.max_draft_len
+    if limit is not None and num_tokens + 1 > limit:
+        raise ValueError(
+            f"speculative_tokens={num_tokens} verifies {num_tokens + 1} tokens per step, more "
+            f"than the cache's max_draft_len={limit}"
+        )
+    verify_need = num_tokens + 1 + cache_config.window + 2 * cache_config.page_size
+    if verify_need > cache_config.swa_capacity:
+        raise ValueError(
+            f"SWA pool of {cache_config.swa_capacity} tokens cannot hold a verify step of "
+            f"{num_tokens + 1} tokens plus its window (needs {verify_need}); lower "
+            "speculative_tokens"
+        )
+    if hisparse_pages is not None:
+        raise ValueError("speculative decoding with HiSparse is not supported")
+    if draft is None:
+        if not model.mtp:
+            raise ValueError("the model has no MTP layer: pass a draft source")
+        draft = MTPDraft()
+    return draft

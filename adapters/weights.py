@@ -63,12 +63,26 @@ class LayerWeights:
 
 
 @dataclass(frozen=True)
+class MTPWeights:
+    """The MTP layer (docs/speculative.md): RMSNorms of the previous hidden state and of the
+    token embedding, a 2D -> D projection of their concatenation, one SWA-only block and a
+    final norm; embedding and head are the main model's."""
+
+    hidden_norm: torch.Tensor  # (D,)
+    embed_norm: torch.Tensor  # (D,)
+    proj: torch.Tensor  # (2D, D)
+    layer: LayerWeights  # ratio 0
+    final_norm: torch.Tensor  # (D,)
+
+
+@dataclass(frozen=True)
 class ModelWeights:
     config: ModelConfig
     embed: torch.Tensor  # (V, D)
     layers: tuple[LayerWeights, ...]
     final_norm: torch.Tensor
     head: torch.Tensor  # (D, V)
+    mtp: MTPWeights | None = None
 
     @property
     def device(self) -> torch.device:
@@ -161,10 +175,26 @@ def _shared(cfg: ModelConfig, layer: int, lw: LayerWeights) -> LayerWeights:
     return replace(lw, compressor=lw.compressor if source else None, indexer=indexer)
 
 
+#: offset of the MTP layer's generator seed from the model's (its own stream of draws)
+MTP_SEED_OFFSET = 0x4D5450
+
+
+def _mtp(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> MTPWeights:
+    init = _Init(cfg.seed + MTP_SEED_OFFSET, device, dtype)
+    return MTPWeights(
+        hidden_norm=init.norm(cfg.hidden),
+        embed_norm=init.norm(cfg.hidden),
+        proj=init.linear(2 * cfg.hidden, cfg.hidden),
+        layer=_layer(init, cfg, 0),
+        final_norm=init.norm(cfg.hidden),
+    )
+
+
 def init_weights(
     cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> ModelWeights:
-    """Seeded random weights; the same ``cfg.seed`` gives the same values on every device."""
+    """Seeded random weights; the same ``cfg.seed`` gives the same values on every device. The
+    MTP layer (``cfg.mtp``) draws from a generator of its own: the main weights do not change."""
     init = _Init(cfg.seed, torch.device(device), dtype)
     embed = init.normal(cfg.vocab_size, cfg.hidden, std=1.0)
     layers = tuple(_shared(cfg, i, _layer(init, cfg, r)) for i, r in enumerate(cfg.compress_ratios))
@@ -174,4 +204,5 @@ def init_weights(
         layers=layers,
         final_norm=init.norm(cfg.hidden),
         head=init.linear(cfg.hidden, cfg.vocab_size),
+        mtp=_mtp(cfg, torch.device(device), dtype) if cfg.mtp else None,
     )

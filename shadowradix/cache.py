@@ -298,14 +298,29 @@ class ShadowRadixCache:
 
         Needs ``speculative=True`` (doubled rings) and at most ``config.max_draft_len`` tokens.
         """
-        self._check_batch([request], [tokens])
-        arr = self._as_tokens(tokens, "tokens")
-        limit = self.config.max_draft_len
+        return self.extend_draft_batch([request], [tokens])
+
+    def extend_draft_batch(
+        self, requests: Sequence[Request], tokens: Sequence[TokenInput] | np.ndarray
+    ) -> Allocation:
+        """Append draft tokens to several requests at once: one `Allocation` for the verify step.
+
+        Each request gets its own pending draft, settled by its own `rollback`. All or nothing:
+        every check (the errors of `extend_draft` for each request) and the capacity check run
+        before anything changes. Pages are allocated request by request, in batch order; rolling
+        the requests back in reverse order after rejecting every draft restores the exact free
+        stacks. A partial acceptance equals never drafting up to a renaming of page ids (see
+        docs/speculative.md).
+        """
+        self._check_batch(requests, tokens)
+        arrays = [self._as_tokens(t, "tokens") for t in tokens]
         if not self.config.speculative:
             raise InvalidRequestError("extend_draft needs CacheConfig(speculative=True)")
-        if limit is not None and len(arr) > limit:
-            raise InvalidRequestError(f"draft of {len(arr)} tokens exceeds max_draft_len={limit}")
-        return self._extend([request], [arr], draft=True)
+        limit = self.config.max_draft_len
+        longest = max(len(a) for a in arrays)
+        if limit is not None and longest > limit:
+            raise InvalidRequestError(f"draft of {longest} tokens exceeds max_draft_len={limit}")
+        return self._extend(requests, arrays, draft=True)
 
     def _check_batch(
         self, requests: Sequence[Request], tokens: Sequence[TokenInput] | np.ndarray

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .machines import CacheMachine
 from .oracle import FingerprintOracle, OracleViolation, prefix_hashes
-from .snapshot import snapshot
+from .snapshot import canonical_snapshot, snapshot
 from .strategies import cache_configs
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "FingerprintOracle",
     "OracleViolation",
     "cache_configs",
+    "canonical_snapshot",
     "prefix_hashes",
     "snapshot",
 ]
