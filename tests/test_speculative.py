@@ -94,7 +94,7 @@ def table(n: int = NEW) -> dict[tuple[int, ...], list[int]]:
 def ref_hidden(tokens: list[int]) -> torch.Tensor:
     """The main model's hidden state at the last position of ``tokens``, from scratch."""
     ids = torch.tensor(tokens)
-    return final_hidden(weights(), ids, torch.arange(len(tokens)), DenseKeys(CFG))[-1]
+    return final_hidden(weights(), ids, torch.arange(len(tokens)), DenseKeys(CFG, len(tokens)))[-1]
 
 
 def assert_clean(runner: Runner) -> None:
