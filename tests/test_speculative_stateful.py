@@ -312,7 +312,8 @@ class SpeculativeMachine(RuleBasedStateMachine):
             chunks.append(seq.tokens[start : len(seq.tokens) - 1])
             SpeculativeMachine.accepted_runs += len(chunks[-1]) > 1
         alloc = twin.cache.extend_batch([reqs[rid] for rid in rids], chunks)
-        twin._forward(twin_seqs, chunks, alloc, [True] * len(rids))
+        ends = np.cumsum([len(c) for c in chunks]) - 1  # each chunk's last row
+        twin._forward(twin_seqs, chunks, alloc, [int(e) for e in ends])
         for name, rid, _ in ops:
             if name == "finish":
                 twin.cache.finish(reqs[rid])
