@@ -60,6 +60,12 @@ def add_run_parser(sub) -> None:
         help="serve hits whose window was evicted by recomputing it (approximate, flagged)",
     )
     run.add_argument(
+        "--speculative",
+        type=int,
+        metavar="K",
+        help="speculative decoding: the MTP layer drafts K tokens per step (greedy only)",
+    )
+    run.add_argument(
         "--arrival-steps",
         type=int,
         default=2,

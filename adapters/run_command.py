@@ -24,6 +24,7 @@ def build_runner(args: argparse.Namespace) -> Runner:
         full_capacity=args.full_tokens,
         swa_capacity=args.swa_tokens,
         bounded_replay=args.bounded_replay,
+        speculative=args.speculative is not None,
     )
     return Runner(
         model,
@@ -33,6 +34,7 @@ def build_runner(args: argparse.Namespace) -> Runner:
         max_running=args.max_running,
         hisparse_pages=args.hisparse_pages,
         tail_only=args.tail_only,
+        speculative_tokens=args.speculative,
     )
 
 
@@ -110,6 +112,13 @@ def summary(runner: Runner, results: list[GenerationResult], wall: float) -> str
             f"HiSparse: {runner.offload.device_pages} device pages per C4 layer, reads hit "
             f"{hs.read_hits / max(1, hs.reads):.1%}, {hs.swap_ins} swap-ins, {hs.evictions} "
             f"evictions, {hs.backups} backups"
+        )
+    if runner.spec is not None:
+        sp = runner.spec.stats
+        lines.append(
+            f"speculative decoding: k={runner.spec_tokens}, {sp.forwards} verify forwards, mean "
+            f"acceptance length {sp.mean_acceptance_length:.2f}, acceptance rate "
+            f"{sp.acceptance_rate:.1%}, drafting {sp.draft_s:.2f} s"
         )
     if runner.tail_only:
         approx = sum(r.approximate for r in results)

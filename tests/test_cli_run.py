@@ -70,3 +70,16 @@ def test_run_with_hisparse_reports_its_buffer(capsys: pytest.CaptureFixture[str]
     assert main(argv + ["--quiet"]) == 0
     out = capsys.readouterr().out
     assert "HiSparse: 40 device pages per C4 layer" in out
+
+
+def test_cli_speculative(capsys) -> None:
+    """``shadowradix run --speculative K`` drafts with the MTP layer and reports acceptance;
+    with bounded replay it exits 2 with the reason (the seeds: no speculation with replay)."""
+    from adapters.cli import main
+
+    argv = ["run", "hello there", "--device", "cpu", "--max-new-tokens", "6", "--quiet"]
+    assert main(argv + ["--speculative", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "speculative decoding: k=2" in out and "mean acceptance length" in out
+    assert main(argv + ["--speculative", "2", "--bounded-replay"]) == 2
+    assert "speculative" in capsys.readouterr().err
