@@ -19,6 +19,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from small_models import CFG, SHORT, SMALL
 
 from adapters import ops
 from adapters.graph_decode import GraphDecoder
@@ -45,20 +46,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not wri
 
 FLOAT32_TOL = 1e-3
 
-SMALL = dict(
-    hidden=64,
-    num_heads=2,
-    head_dim=32,
-    rope_dim=8,
-    index_dim=16,
-    index_heads=2,
-    index_topk=8,
-    mlp_hidden=96,
-)
 #: window 128, ratios (0, 0, 4, 128, 4, 128): the real V4 attention structure, shrunk.
-CFG = preset("tiny", **SMALL)
 #: a short window for short sequences: C4 (overlapped, sparse) and C16 (dense); span 15 <= 16.
-SHORT = preset("tiny", **SMALL, window=16, compress_ratios=(0, 4, 16, 4))
 
 N_TOKENS = 530
 TOKENS: list[int] = np.random.default_rng(1234).integers(0, 256, N_TOKENS).tolist()

@@ -7,6 +7,7 @@ import functools
 import numpy as np
 import pytest
 import torch
+from small_models import SMALL as SMALL_MODEL
 
 from adapters.model_config import preset
 from adapters.offload import C4Offload
@@ -15,16 +16,7 @@ from adapters.runner import Runner
 from adapters.sampling import SamplingParams
 from adapters.weights import init_weights
 
-SMALL = dict(
-    hidden=64,
-    num_heads=2,
-    head_dim=32,
-    rope_dim=8,
-    index_dim=16,
-    index_heads=2,
-    index_topk=4,
-    mlp_hidden=96,
-)
+SMALL = {**SMALL_MODEL, "index_topk": 4}  # these tests size their device buffers from top-4
 MODEL = preset("tiny", **SMALL, window=16, compress_ratios=(0, 4, 16, 4))
 
 

@@ -18,6 +18,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from small_models import CFG, SHORT
 
 from adapters.graph_decode import GraphDecoder
 from adapters.model_config import preset
@@ -35,18 +36,6 @@ from shadowradix import ShadowRadixCache, WindowSource
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 
-SMALL = dict(
-    hidden=64,
-    num_heads=2,
-    head_dim=32,
-    rope_dim=8,
-    index_dim=16,
-    index_heads=2,
-    index_topk=8,
-    mlp_hidden=96,
-)
-CFG = preset("tiny", **SMALL)  # window 128, ratios (0, 0, 4, 128, 4, 128)
-SHORT = preset("tiny", **SMALL, window=16, compress_ratios=(0, 4, 16, 4))
 TOKENS: list[int] = np.random.default_rng(4321).integers(0, 256, 700).tolist()
 TAIL: list[int] = np.random.default_rng(99).integers(0, 256, 300).tolist()
 
@@ -413,7 +402,6 @@ def test_replay_step_rejects_what_is_not_a_replay() -> None:
 
 
 def test_replay_oracle_refuses_cross_layer_sharing() -> None:
-    from adapters.model_config import preset
     from adapters.replay_reference import SegmentedReference
     from adapters.weights import init_weights
 

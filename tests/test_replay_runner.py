@@ -25,9 +25,9 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from small_models import CFG, SHORT, SMALL
 
 from adapters.cli import add_run_parser
-from adapters.model_config import preset
 from adapters.reference import reference_generate, reference_logits
 from adapters.replay_reference import SegmentedReference, replay_reference_generate
 from adapters.run_command import build_runner, summary
@@ -37,19 +37,6 @@ from adapters.weights import init_weights
 from shadowradix import CacheConfig, ConfigError, WindowSource
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
-
-SMALL = dict(
-    hidden=64,
-    num_heads=2,
-    head_dim=32,
-    rope_dim=8,
-    index_dim=16,
-    index_heads=2,
-    index_topk=8,
-    mlp_hidden=96,
-)
-CFG = preset("tiny", **SMALL)  # window 128, ratios (0, 0, 4, 128, 4, 128)
-SHORT = preset("tiny", **SMALL, window=16, compress_ratios=(0, 4, 16, 4))
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -17,9 +17,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from small_models import CFG, SHORT
 
 from adapters.device import DeviceError, resolve_device
-from adapters.model_config import preset
 from adapters.reference import reference_generate
 from adapters.runner import GenerationResult, Runner
 from adapters.sampling import SamplingParams
@@ -27,19 +27,6 @@ from adapters.weights import init_weights
 from shadowradix import InvalidRequestError
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
-
-SMALL = dict(
-    hidden=64,
-    num_heads=2,
-    head_dim=32,
-    rope_dim=8,
-    index_dim=16,
-    index_heads=2,
-    index_topk=8,
-    mlp_hidden=96,
-)
-CFG = preset("tiny", **SMALL)  # window 128, ratios (0, 0, 4, 128, 4, 128)
-SHORT = preset("tiny", **SMALL, window=16, compress_ratios=(0, 4, 16, 4))
 
 
 @pytest.fixture(autouse=True, scope="module")

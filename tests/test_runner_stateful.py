@@ -30,6 +30,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from small_models import SMALL
 
 from adapters.model_config import preset
 from adapters.reference import reference_generate
@@ -40,16 +41,6 @@ from shadowradix import InvalidRequestError
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 
-SMALL = dict(
-    hidden=64,
-    num_heads=2,
-    head_dim=32,
-    rope_dim=8,
-    index_dim=16,
-    index_heads=2,
-    index_topk=8,
-    mlp_hidden=96,
-)
 #: window 16, C4 (overlapped, sparse) + C16 (dense): short prompts cross many windows/groups
 MODEL = preset("tiny", **SMALL, window=16, compress_ratios=(0, 4, 16, 4))
 PREFIXES = [np.random.default_rng(100 + n).integers(0, 256, n).tolist() for n in (9, 18, 30)]

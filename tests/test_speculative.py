@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from small_models import SMALL
 
 from adapters import ops
 from adapters.graph_verify import GraphVerifier, VerifyKeys, shared_index_scores
@@ -46,16 +47,6 @@ from shadowradix import InvalidRequestError, ShadowRadixCache
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 
-SMALL = dict(
-    hidden=64,
-    num_heads=2,
-    head_dim=32,
-    rope_dim=8,
-    index_dim=16,
-    index_heads=2,
-    index_topk=8,
-    mlp_hidden=96,
-)
 #: window 16, C4 (overlapped, sparse) + C16 (dense): short sequences cross many groups/windows
 CFG = preset("tiny", **SMALL, window=16, compress_ratios=(0, 4, 16, 4))
 STEM = np.random.default_rng(7).integers(0, 256, 40).tolist()
