@@ -226,7 +226,7 @@ class GraphKeys:
                 slots, vis = self._select(layer, sm)
                 entries = self.pools.compressed[source][slots]
             else:
-                entries, vis = sm.all_entries(self.pools.compressed[source]), sm.visible
+                entries, vis = self._dense(sm, self.pools.compressed[source]), sm.visible
             keys = torch.cat((keys, entries), dim=1)
             mask = torch.cat((mask, vis), dim=1)
         return ops.sink_attention(layer.q, keys, mask, layer.weights.sink, cfg.scale)
@@ -241,7 +241,8 @@ class GraphKeys:
         pad = torch.zeros_like(rows[0])
         pad[rows.shape[1] // 2 :] = float("-inf")
         src = sm.group_src[:, :, None]
-        group_rows = torch.where(src == 0, carried, torch.where(src == 1, rows[:, None, :], pad))
+        new = self._new_group_rows(rows, sm)
+        group_rows = torch.where(src == 0, carried, torch.where(src == 1, new, pad))
         ent = compress_rows(
             self.cfg, group_rows, layer.weights.ratio, sm.group, comp.norm, self.cfg.rope_dim
         )
@@ -251,11 +252,10 @@ class GraphKeys:
         self, layer, comp, sm: StreamMeta, ring, pool, rows: torch.Tensor
     ) -> None:
         """The Flash Compressor's decode path: one kernel gathers the group's ring rows, pools
-        them and applies RMSNorm + RoPE. One new token per request, so storing its row first
-        cannot overwrite a row its group still needs (ring_len > span)."""
+        them and applies RMSNorm + RoPE. Storing the step's rows first cannot overwrite a row a
+        group still needs (decode: ring_len > span; verify: see `graph_verify`)."""
         ring[sm.ring_new] = rows
-        own = sm.ring_new[:, None].expand_as(sm.group_rows)
-        row_ids = torch.where(sm.group_src == 1, own, sm.group_rows)
+        row_ids = torch.where(sm.group_src == 1, self._own_ring_rows(sm), sm.group_rows)
         ent = kernels.compress_gathered(
             ring, row_ids, layer.weights.ratio, self.cfg.is_overlap(layer.weights.ratio),
             pad=sm.group_src == 2, groups=sm.group, norm=comp.norm, rope_dim=self.cfg.rope_dim,
@@ -278,11 +278,41 @@ class GraphKeys:
         keys = sm.all_entries(self.pools.index_keys[source])  # (B, G, di)
         q = (layer.x @ idx.w_q).view(n, cfg.index_heads, cfg.index_dim)
         q = ops.rope(q, layer.positions, cfg.rope_dim, cfg.rope_theta)
-        scores = ops.index_scores(q, layer.x @ idx.w_weight, keys)
+        scores = self._scores(q, layer.x @ idx.w_weight, keys)
         scores = scores.masked_fill(~sm.visible, float("-inf"))
         values, chosen = ops.topk_lowest_index(scores, min(cfg.index_topk, scores.shape[1]))
-        self.selection[i] = (sm.entry_slots(chosen), torch.isfinite(values))
+        self.selection[i] = (self._entry_slots(sm, chosen), torch.isfinite(values))
         return self.selection[i]
+
+    # -- the layout of a step's rows: one per request here; `VerifyKeys` has T per request --
+
+    def _dense(self, sm, pool: torch.Tensor) -> torch.Tensor:
+        """Every entry ``(rows, G, width)`` each query row reads (dense compressed layers)."""
+        return sm.all_entries(pool)
+
+    def _new_group_rows(self, rows: torch.Tensor, sm) -> torch.Tensor:
+        """This step's compressor rows as the ``group_src == 1`` rows of each group."""
+        return rows[:, None, :]
+
+    def _own_ring_rows(self, sm) -> torch.Tensor:
+        """Ring rows of the ``group_src == 1`` rows of each group (after this step's store)."""
+        return sm.ring_new[:, None].expand_as(sm.group_rows)
+
+    def _scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return ops.index_scores(q, w, keys)
+
+    def _entry_slots(self, sm, chosen: torch.Tensor) -> torch.Tensor:
+        return sm.entry_slots(chosen)
+
+
+def _with_late_mask(meta, pools: KVPools):
+    """``meta`` (a decode or verify step's) with the window mask of the layers after the last KV
+    source, when tail-only prefill left holes in their SWA; marks the step's own slots held."""
+    valid = pools.late_swa_valid
+    if valid is None:
+        return meta
+    valid.index_fill_(0, meta.swa_new, True)  # no host scalar: capturable
+    return replace(meta, late_window_mask=meta.window_mask & valid[meta.window_slots])
 
 
 def _bucket(n: int, lo: int) -> int:
@@ -312,11 +342,7 @@ class GraphDecoder:
     @torch.no_grad()
     def _run(self, batch: int, context: int) -> torch.Tensor:
         meta = decode_metadata(self.cache, self.pools, self.buffers, context)
-        meta = _slice_batch(meta, batch)
-        valid = self.pools.late_swa_valid
-        if valid is not None:  # tail-only prefill left holes in the later layers' SWA
-            valid.index_fill_(0, meta.swa_new, True)  # no host scalar: capturable
-            meta = replace(meta, late_window_mask=meta.window_mask & valid[meta.window_slots])
+        meta = _with_late_mask(_slice_batch(meta, batch), self.pools)
         keys = GraphKeys(self.weights, self.pools, meta)
         return forward(self.weights, self.buffers.tokens[:batch], meta.positions, keys)
 

@@ -33,9 +33,16 @@ import torch
 from shadowradix import CacheConfig
 from shadowradix.request import Request
 
-from . import kernels, ops
-from .graph_decode import DecodeBuffers, GraphDecoder, _bucket, _page_lookup
-from .model import LayerInput, compress_rows, final_hidden, head_logits
+from . import ops
+from .graph_decode import (
+    DecodeBuffers,
+    GraphDecoder,
+    GraphKeys,
+    _bucket,
+    _page_lookup,
+    _with_late_mask,
+)
+from .model import final_hidden, head_logits
 from .mtp import write_state
 from .pools import KVPools
 from .weights import ModelWeights
@@ -123,6 +130,7 @@ class VerifyMeta:
     window_mask: torch.Tensor
     page_rows: torch.Tensor  # (N,) page_hidden row (MTP) of page-ending rows, else sentinel
     streams: dict[int, VerifyStreamMeta]
+    late_window_mask: torch.Tensor | None = None  # tail-only: layers after the last KV source
 
 
 def verify_metadata(
@@ -224,84 +232,34 @@ def shared_index_scores(
     return torch.einsum("nh,nhe->ne", w.to(dt), torch.relu(dots))
 
 
-class VerifyKeys:
-    """`KeySource` of one verify step over `VerifyMeta`."""
+class VerifyKeys(GraphKeys):
+    """`KeySource` of one verify step over `VerifyMeta`: `GraphKeys` (V4.1 sharing and the
+    tail-only mask included) with ``T`` query rows per request."""
 
     def __init__(self, weights: ModelWeights, pools: KVPools, meta: VerifyMeta, t_len: int):
-        self.cfg, self.pools, self.meta, self.t_len = weights.config, pools, meta, t_len
+        super().__init__(weights, pools, meta)  # type: ignore[arg-type]
+        self.t_len = t_len
 
-    def attend(self, layer: LayerInput) -> torch.Tensor:
-        cfg, m, i = self.cfg, self.meta, layer.index
-        swa = self.pools.swa[i]
-        swa[m.swa_new] = layer.kv.to(swa.dtype)
-        keys, mask = swa[m.window_slots], m.window_mask
-        ratio = layer.weights.ratio
-        if ratio:
-            sm = m.streams[ratio]
-            comp = layer.weights.compressor
-            assert comp is not None
-            self._compress(layer, comp, sm, self.pools.ring[i], self.pools.compressed[i])
-            if cfg.is_sparse(ratio):
-                slots, vis = self._select(layer, sm)
-                entries = self.pools.compressed[i][slots]
-            else:
-                entries = sm.all_entries(self.pools.compressed[i])[m.row_batch]
-                vis = sm.visible
-            keys = torch.cat((keys, entries), dim=1)
-            mask = torch.cat((mask, vis), dim=1)
-        return ops.sink_attention(layer.q, keys, mask, layer.weights.sink, cfg.scale)
+    def _dense(self, sm, pool: torch.Tensor) -> torch.Tensor:
+        return sm.all_entries(pool)[self.meta.row_batch]  # type: ignore[attr-defined]
 
-    def _compress(self, layer, comp, sm: VerifyStreamMeta, ring, pool) -> None:
-        rows = ops.compressor_rows(layer.x, comp, layer.positions).to(ring.dtype)  # (N, F)
-        if ring.is_cuda and ring.dtype == torch.float32 and kernels.TRITON_AVAILABLE:
-            self._compress_fused(layer, comp, sm, ring, pool, rows)  # pragma: no cover
-            return
-        carried = ring[sm.group_rows]  # (N, R, F), read before this step's store
-        ring[sm.ring_new] = rows
-        pad = torch.zeros_like(rows[0])
-        pad[rows.shape[1] // 2 :] = float("-inf")
-        src = sm.group_src[:, :, None]
-        group_rows = torch.where(src == 0, carried, torch.where(src == 1, rows[sm.group_new], pad))
-        ent = compress_rows(
-            self.cfg, group_rows, layer.weights.ratio, sm.group, comp.norm, self.cfg.rope_dim
-        )
-        pool[sm.entry_slot] = ent.to(pool.dtype)
+    def _new_group_rows(self, rows: torch.Tensor, sm) -> torch.Tensor:
+        return rows[sm.group_new]
 
-    def _compress_fused(
-        self, layer, comp, sm: VerifyStreamMeta, ring, pool, rows: torch.Tensor
-    ) -> None:
-        """The Flash Compressor's decode kernel over the T rows of each request: storing the
-        step's rows first is safe (no stored row overwrites a carried one, module docstring)."""
-        ring[sm.ring_new] = rows
-        row_ids = torch.where(sm.group_src == 1, sm.ring_new[sm.group_new], sm.group_rows)
-        ent = kernels.compress_gathered(
-            ring, row_ids, layer.weights.ratio, self.cfg.is_overlap(layer.weights.ratio),
-            pad=sm.group_src == 2, groups=sm.group, norm=comp.norm, rope_dim=self.cfg.rope_dim,
-            theta=self.cfg.rope_theta, eps=self.cfg.norm_eps, out_dtype=pool.dtype,
-        )  # fmt: skip
-        pool[sm.entry_slot] = ent
+    def _own_ring_rows(self, sm) -> torch.Tensor:
+        return sm.ring_new[sm.group_new]
 
-    def _compress_fused_on_cpu(self, layer, comp, sm: VerifyStreamMeta, ring, pool) -> None:
+    def _scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return shared_index_scores(q, w, keys, self.t_len)
+
+    def _entry_slots(self, sm, chosen: torch.Tensor) -> torch.Tensor:
+        return sm.entry_slots(chosen, self.meta.row_batch)  # type: ignore[attr-defined]
+
+    def _compress_fused_on_cpu(self, layer, comp, sm, ring, pool) -> None:
         """The CUDA path's layout on any device (tests): `kernels.compress_gathered` falls
         back to its torch reference off the GPU."""
         rows = ops.compressor_rows(layer.x, comp, layer.positions).to(ring.dtype)
         self._compress_fused(layer, comp, sm, ring, pool, rows)
-
-    def _select(self, layer: LayerInput, sm: VerifyStreamMeta):
-        cfg, i = self.cfg, layer.index
-        idx = layer.weights.indexer
-        assert idx is not None
-        self._compress(
-            layer, idx.compressor, sm, self.pools.index_ring[i], self.pools.index_keys[i]
-        )
-        n = layer.x.shape[0]
-        keys = sm.all_entries(self.pools.index_keys[i])  # (B, G, di)
-        q = (layer.x @ idx.w_q).view(n, cfg.index_heads, cfg.index_dim)
-        q = ops.rope(q, layer.positions, cfg.rope_dim, cfg.rope_theta)
-        scores = shared_index_scores(q, layer.x @ idx.w_weight, keys, self.t_len)
-        scores = scores.masked_fill(~sm.visible, float("-inf"))
-        values, chosen = ops.topk_lowest_index(scores, min(cfg.index_topk, scores.shape[1]))
-        return sm.entry_slots(chosen, self.meta.row_batch), torch.isfinite(values)
 
 
 class GraphVerifier(GraphDecoder):
@@ -337,6 +295,7 @@ class GraphVerifier(GraphDecoder):
         ``(B*T, V + D)`` in fp32, or fp64 for an fp64 model (both halves exact)."""
         buf, w = self.buffers, self.weights
         meta = verify_metadata(self.cache, self.pools, buf, batch, context)
+        meta = _with_late_mask(meta, self.pools)
         keys = VerifyKeys(w, self.pools, meta, self.num_tokens)
         tokens = buf.block[:batch].reshape(-1)
         hidden = final_hidden(w, tokens, meta.positions, keys)

@@ -223,11 +223,6 @@ class Runner:
         self.stats = RunnerStats()
         if graph_decode is None:
             graph_decode = self.device.type == "cuda"
-        if draft is not None and graph_decode and model.kv_sources:
-            raise ValueError(
-                "graph verify (speculative decoding with graph_decode) does not support V4.1 "
-                "cross-layer sharing yet: pass graph_decode=False (paged verify)"
-            )
         self.decoder = (
             GraphDecoder(
                 self.weights, self.pools, cache_config, max_running, cache_config.full_capacity

@@ -546,28 +546,37 @@ def test_shared_index_scores_equal_per_query_scores(dtype) -> None:
     torch.testing.assert_close(shared_index_scores(q, w, keys, t_len), want, rtol=1e-6, atol=1e-5)
 
 
-def test_speculation_combinations_with_v41_modes_are_explicit() -> None:
-    """Graph verify does not model V4.1 sharing, and MTP drafts need every prompt position's
-    hidden state: both are refused with a clear error, while paged verify on a shared model
-    and an oracle draft with tail-only prefill run and equal the reference."""
+@pytest.mark.parametrize("graph", [False, True])
+def test_speculation_with_v41_sharing_and_tail_only(graph: bool) -> None:
+    """Paged and graph verify on a V4.1 shared model after tail-only prefills equal the
+    tail-only oracle. Request B resumes at position 296 of A's 300-token chunk, whose later
+    layers computed only positions 172..299: B's verify windows reach 170 and 171, which they
+    must mask (the late-SWA mask). MTP drafts with tail-only are refused."""
     from adapters.model_config import preset as _preset
     from adapters.reference import reference_tail_only_generate, tail_only_computed
 
     shared = _preset("tiny-shared", hidden=32, head_dim=16, rope_dim=4, index_dim=8, index_topk=4)
-    cc = shared.cache_config(page_size=8, full_capacity=8 * 64, swa_capacity=8 * 48,
+    cc = shared.cache_config(page_size=8, full_capacity=8 * 128, swa_capacity=8 * 96,
                              speculative=True)  # fmt: skip
-    with pytest.raises(ValueError, match="sharing"):
-        Runner(shared, cc, graph_decode=True, speculative_tokens=2, chunk_tokens=64)
     with pytest.raises(ValueError, match="tail-only"):
-        Runner(shared, cc, graph_decode=False, speculative_tokens=2, chunk_tokens=64,
+        Runner(shared, cc, graph_decode=graph, speculative_tokens=2, chunk_tokens=64,
                tail_only=True)  # fmt: skip
     w = init_weights(shared, "cpu", torch.float64)
-    prompt = list(range(1, 200))
-    computed = tail_only_computed([199], shared.window)  # one chunk longer than the window
-    want = reference_tail_only_generate(w, prompt, computed, 6)
-    runner = Runner(shared, cc, weights=w, graph_decode=False, speculative_tokens=2,
-                    chunk_tokens=200, tail_only=True,
-                    draft=OracleDraft({tuple(prompt): want}, accept_rate=1.0))  # fmt: skip
-    out = runner.generate([prompt], SamplingParams(max_new_tokens=6))[0]
-    assert out.output == want and out.approximate
-    assert want != reference_generate(w, prompt, 6)  # the tail-only prefill did change it
+    a = np.random.default_rng(5).integers(0, 256, 300).tolist()
+    b = a[:297]
+    flags_a = tail_only_computed([300], shared.window)
+    want_a = reference_tail_only_generate(w, a, flags_a, 1)
+    want_b = reference_tail_only_generate(w, b, flags_a[:296] + [True], 6)
+    table = {tuple(a): want_a, tuple(b): want_b}
+    runner = Runner(shared, cc, weights=w, graph_decode=graph, speculative_tokens=2,
+                    chunk_tokens=300, tail_only=True,
+                    draft=OracleDraft(table, accept_rate=0.7, seed=1))  # fmt: skip
+    assert runner.generate([a], SamplingParams(max_new_tokens=1))[0].output == want_a
+    valid = runner.pools.late_swa_valid
+    assert valid is not None
+    for layer in range(shared.last_kv_source + 1, shared.num_layers):  # unmasked reads show
+        runner.pools.swa[layer][~valid] = 1e3
+    out = runner.generate([b], SamplingParams(max_new_tokens=6))[0]
+    assert out.cached_tokens == 296 and out.output == want_b and out.approximate
+    assert want_b != reference_generate(w, b, 6)  # the holes did change it
+    assert (runner.spec.verifier is not None) == graph

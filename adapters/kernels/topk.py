@@ -432,6 +432,26 @@ def _refine_top(cv, v0, total, krem, MC: tl.constexpr, HIST_MASK: tl.constexpr):
 
 
 @triton.jit
+def _maxima_digit(
+    mrow, chunks, t1, krem, TOP: tl.constexpr, MB: tl.constexpr, HIST_MASK: tl.constexpr
+):
+    """Bin of the ``krem``-th largest chunk maximum and the rank left in it: by the top byte
+    (``TOP``), else by the second byte among the maxima whose top byte is ``t1``."""
+    h = tl.zeros((NB,), tl.int32)
+    for s in range(0, chunks, MB):
+        p = s + tl.arange(0, MB)
+        v = tl.load(mrow + p, mask=p < chunks, other=0, cache_modifier=".cg")
+        v = v.to(tl.uint32, bitcast=True)
+        if TOP:
+            h += _histogram((v >> 24).to(tl.int32), p < chunks, NB, MB, HIST_MASK)
+        else:
+            ok = (p < chunks) & ((v >> 24) == t1)
+            h += _histogram(((v >> 16) & 0xFF).to(tl.int32), ok, NB, MB, HIST_MASK)
+    t, krem2, _ = _select_bin(h, krem, NB)
+    return tl.maximum(t, 0).to(tl.uint32), krem2
+
+
+@triton.jit
 def _bound_kernel(
     x_ptr,
     len_ptr,
@@ -478,23 +498,8 @@ def _bound_kernel(
     st = st_ptr + b.to(tl.int64) * WS_ROW
     if tl.atomic_add(st + TICKET_A, 1, sem="acq_rel") == C - 1:
         chunks = tl.cdiv(hist_n, G)  # 0 for rows taking every entry
-        h = tl.zeros((NB,), tl.int32)
-        for s in range(0, chunks, MB):
-            p = s + tl.arange(0, MB)
-            v = tl.load(mrow + p, mask=p < chunks, other=0, cache_modifier=".cg")
-            v = v.to(tl.uint32, bitcast=True)
-            h += _histogram((v >> 24).to(tl.int32), p < chunks, NB, MB, HIST_MASK)
-        t1, krem, _ = _select_bin(h, k, NB)
-        t1 = tl.maximum(t1, 0).to(tl.uint32)
-        h = tl.zeros((NB,), tl.int32)
-        for s in range(0, chunks, MB):
-            p = s + tl.arange(0, MB)
-            v = tl.load(mrow + p, mask=p < chunks, other=0, cache_modifier=".cg")
-            v = v.to(tl.uint32, bitcast=True)
-            ok = (p < chunks) & ((v >> 24) == t1)
-            h += _histogram(((v >> 16) & 0xFF).to(tl.int32), ok, NB, MB, HIST_MASK)
-        t2, _, _ = _select_bin(h, krem, NB)
-        t2 = tl.maximum(t2, 0).to(tl.uint32)
+        t1, krem = _maxima_digit(mrow, chunks, 0, k, True, MB, HIST_MASK)
+        t2, _ = _maxima_digit(mrow, chunks, t1, krem, False, MB, HIST_MASK)
         # fewer than k chunks: no bound, every entry is a candidate
         bound = tl.where(chunks >= k, (t1 << 24) | (t2 << 16), 0)
         tl.store(st + BOUND, bound.to(tl.int32, bitcast=True))
