@@ -130,6 +130,13 @@ def _ops():
     return ops
 
 
+def _index_order(values, indices, counts):
+    """The real entries of each row by index ascending (the padding stays last)."""
+    real = torch.arange(indices.shape[1], device=indices.device)[None] < counts[:, None].long()
+    order = torch.argsort(torch.where(real, indices, indices.shape[1] + (1 << 40)), dim=1)
+    return values.gather(1, order), indices.gather(1, order), counts
+
+
 def _short(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
     return text[:160]
@@ -475,10 +482,12 @@ class Bench:
 
         def go():
             got = fn()
+            if not sort:  # a deterministic order: compare as the reference's index order
+                got = _index_order(*got)
             want = R.topk_reference(x, k, lengths, sorted=sort)
             names = ("values", "indices", "counts")
             bad = [nm for a, b_, nm in zip(got, want, names) if not torch.equal(a, b_)]
-            again = fn()
+            again = fn() if sort else _index_order(*fn())
             same = all(torch.equal(a, b_) for a, b_ in zip(got, again))
             if bad:
                 return "FAIL " + "/".join(bad)
@@ -554,23 +563,25 @@ class Bench:
             x, _ = self._topk_input(b, n, k)
             base = self._find("torch.topk", shape)
             knobs_list = [
-                dict(ctas=32),
-                dict(ctas=64),
-                dict(ctas=256, block=1024),
-                dict(block=1024),
-                dict(chunk=16),
-                dict(chunk=32),
-                dict(chunk=128),
                 dict(num_warps=4),
                 dict(hist_mask=not TK.HIST_MASK),
                 dict(pdl=False, workspace=TK.topk_workspace(b, dev)),
             ]
             todo = [(b, n, k, kn) for kn in knobs_list]
             b32 = 32 if not self.smoke else 3
-            todo += [(b32, n, k, dict(ctas=c)) for c in ((4, 8, 32) if not self.smoke else (2,))]
-            todo += [(b32, n, k, dict(block=1024)), (b32, n, k, dict(num_warps=4))]
-            todo += [(b32, n, k, dict(algorithm="bound", ctas=c)) for c in (4, 8)]
-            todo += [(b, n, k, dict(algorithm="bound", chunk=128))]
+            todo += [
+                (b32, n, k, dict(algorithm="histogram", ctas=c))
+                for c in ((8, 32) if not self.smoke else (2,))
+            ]
+            bound = [dict(ctas=c) for c in (8, 32)] + [dict(chunk=c) for c in (64, 256)]
+            bound += [dict(block=c) for c in (1024, 4096)] + [dict(num_warps=w) for w in (4, 16)]
+            bound += [dict(block=1024, num_warps=4), dict(bound_warps=(4, 8))]
+            bound += [dict(tile=c) for c in (1024, 4096)]
+            todo += [(b32, n, k, dict(algorithm="bound", **kn)) for kn in bound]
+            todo += [(b, n, k, dict(algorithm="histogram", block=c)) for c in (512, 2048)]
+            todo += [(b, n, k, dict(algorithm="histogram", ctas=c)) for c in (128, 512)]
+            todo += [(8, n, k, dict(algorithm=a)) for a in ("histogram", "bound")]
+            todo += [(16, n, k, dict(algorithm=a)) for a in ("histogram", "bound")]
             for b, n, k, knobs in todo if not self.smoke else todo[:1] + todo[-3:]:
                 shape = f"{b}x{n:,} k={k}"
                 x, _ = self._topk_input(b, n, k)
@@ -599,24 +610,21 @@ class Bench:
         base = self.variant("topk", "torch.topk", shape, lambda: torch.topk(x, k), **gm)
         run = functools.partial(TK.lightning_topk, x, k)
         self.variant(
-            "topk", "lightning (index order)", shape, run, self._exact(run, x, k), None, base, **gm
+            "topk", "lightning (default)", shape, run, self._exact(run, x, k), None, base, **gm
         )
-        run = functools.partial(TK.lightning_topk, x, k, algorithm="bound")
-        self.variant(
-            "topk", "lightning bound", shape, run, self._exact(run, x, k), None, base, **gm,
-        )  # fmt: skip
+        for algo in ("histogram", "bound"):
+            run = functools.partial(TK.lightning_topk, x, k, algorithm=algo)
+            self.variant(
+                "topk", f"lightning {algo}", shape, run, self._exact(run, x, k), None, base, **gm,
+            )  # fmt: skip
         if targets:
             for label, hard in self._bound_hard_inputs(x, k).items():
-                run = functools.partial(TK.lightning_topk, hard, k)
-                self.variant(
-                    "topk", f"lightning {label}", shape, run, self._exact(run, hard, k), None,
-                    base, **gm,
-                )  # fmt: skip
-                run = functools.partial(TK.lightning_topk, hard, k, algorithm="bound")
-                self.variant(
-                    "topk", f"lightning bound {label}", shape, run,
-                    self._exact(run, hard, k), None, base, optional=True, **gm,
-                )  # fmt: skip
+                for algo in ("histogram", "bound"):
+                    run = functools.partial(TK.lightning_topk, hard, k, algorithm=algo)
+                    self.variant(
+                        "topk", f"lightning {algo} {label}", shape, run,
+                        self._exact(run, hard, k), None, base, optional=True, **gm,
+                    )  # fmt: skip
             ws = TK.topk_workspace(b, dev)
             run = functools.partial(TK.lightning_topk, x, k, workspace=ws)
             self.variant(
@@ -664,7 +672,15 @@ class Bench:
         cols = (starts[:, :, None] + torch.arange(256, device=self.device)).reshape(b, -1)
         runs.scatter_add_(1, cols, torch.full_like(cols, 4.0, dtype=x.dtype))
         ramp = torch.arange(n, device=self.device, dtype=x.dtype).expand(b, n).contiguous()
-        return {"runs of 256": runs, "ascending rows": ramp + 0.25 * x}
+        ties = torch.randint(0, 3, (b, n), generator=g, device=self.device).to(x.dtype)
+        page = x.clone()  # the first entry of every 64 raised: periodic, a power of two
+        page[:, ::64] += 4.0
+        return {
+            "runs of 256": runs,
+            "ascending rows": ramp + 0.25 * x,
+            "every 64th raised": page,
+            "ties {0,1,2}": ties,
+        }
 
     def topk_checks(self) -> None:
         """Exactness on hard inputs (not timed)."""
@@ -757,7 +773,7 @@ class Bench:
                 a
                 for a in names
                 if a not in consts
-                and (a.endswith("_ptr") or a.startswith("stride") or a in ("N", "HN", "span"))
+                and (a.endswith("_ptr") or a.startswith("stride") or a in ("N", "HN", "span", "M"))
             ]
             attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
             t0 = time.monotonic()
@@ -846,10 +862,11 @@ class Bench:
             span="i32",
             k="i32",
             C="i32",
+            tr_ptr="*i64",
         )
         for pdl in (True, False):
             for has_len in (False, True):
-                c = dict(BLOCK=2048, HAS_LEN=has_len, HIST_MASK=TK.HIST_MASK, PDL=pdl)
+                c = dict(BLOCK=2048, HAS_LEN=has_len, HIST_MASK=TK.HIST_MASK, PDL=pdl, TRACE=pdl)
                 tag = f"pdl={pdl} lengths={has_len}"
                 types["len_ptr"] = "*i64" if has_len else "*i32"  # int64 lengths, or counts
                 build(TK._hist1_kernel, types, c, 8, f"topk hist1 {tag}")
@@ -858,37 +875,41 @@ class Bench:
                     build(
                         TK._select_kernel,
                         types,
-                        dict(c, CB=128, MC=mc),
+                        dict(c, CB=128, MC=mc, PAIR_SMALL=TK.PAIR_SMALL, PAIR=TK.PAIR),
                         8,
                         f"topk select MC={mc} {tag}",
                         launch_pdl=pdl,
                         maxnreg=128,
                     )
-        bound_types = {a: t for a, t in types.items() if a != "ge_ptr"}
-        bound_types = dict(bound_types, mx_ptr="*i32", M="i32")
         for pdl in (True, False):
             for has_len in (False, True):
-                c = dict(BLOCK=2048, HAS_LEN=has_len, HIST_MASK=TK.HIST_MASK, PDL=pdl)
+                c = dict(HAS_LEN=has_len, HIST_MASK=TK.HIST_MASK, PDL=pdl, TRACE=pdl)
                 tag = f"pdl={pdl} lengths={has_len}"
                 lens = "*i64" if has_len else "*i32"
-                a_types = {
-                    a: bound_types[a]
-                    for a in ("x_ptr", "len_ptr", "st_ptr", "mx_ptr", "N", "HN", "stride_x",
-                              "span", "k", "C", "M")
-                }  # fmt: skip
-                a_types["len_ptr"] = lens
-                build(TK._bound_kernel, a_types, dict(c, G=64, MB=2048), 8, f"topk bound {tag}")
-                g_types = {a: t for a, t in bound_types.items() if a not in ("mx_ptr", "M")}
-                g_types["len_ptr"] = lens
+                a_types = dict(
+                    x_ptr="*fp32", len_ptr=lens, st_ptr="*i32", mx_ptr="*i32", N="i32", HN="i32",
+                    stride_x="i32", k="i32", C="i32", M="i32", R="i32", tr_ptr="*i64",
+                )  # fmt: skip
+                for s, rb in ((32, 64), (256, 8), (1024, 2)):
+                    build(
+                        TK._colmax_kernel, a_types, dict(c, S=s, RB=rb, MB=2048), 8,
+                        f"topk colmax S={s} {tag}",
+                    )  # fmt: skip
+                g_types = dict(
+                    x_ptr="*fp32", len_ptr=lens, st_ptr="*i32", cv_ptr="*fp32", ci_ptr="*i32",
+                    N="i32", HN="i32", stride_x="i32", span="i32", k="i32", tr_ptr="*i64",
+                )  # fmt: skip
+                gc = dict(BLOCK=2048, CB=128, HAS_LEN=has_len, PDL=pdl, TRACE=pdl)
+                build(TK._gather_kernel, g_types, gc, 8, f"topk gather {tag}", launch_pdl=pdl)
+                f_types = dict(
+                    len_ptr=lens, st_ptr="*i32", cv_ptr="*fp32", ci_ptr="*i32", val_ptr="*fp32",
+                    idx_ptr="*i64", cnt_ptr="*i32", N="i32", HN="i32", k="i32", C="i32",
+                    tr_ptr="*i64",
+                )  # fmt: skip
                 build(
-                    TK._gather_kernel,
-                    g_types,
-                    dict(c, CB=128, MC=1024),
-                    8,
-                    f"topk gather {tag}",
-                    launch_pdl=pdl,
-                    maxnreg=128,
-                )
+                    TK._finish_kernel, f_types, dict(c, CB=128, MC=1024), 8,
+                    f"topk finish {tag}", launch_pdl=pdl,
+                )  # fmt: skip
         for kp, w in ((512, 4), (1024, 4), (2048, 8)):
             build(TK._sort_kernel, types, dict(KP=kp), w, f"topk sort KP={kp}")
         print(f"compile check for sm_{arch}: {'all ok' if not failures else f'{failures} FAILED'}")

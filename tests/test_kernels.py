@@ -485,13 +485,23 @@ def check_compress_errors(comp, _topk):
         raise AssertionError("expected ValueError")
 
 
-def _same_topk(topk_mod, x, k, lengths=None, **knobs):
-    """Both algorithms, index and value order, equal the reference."""
-    for algorithm in ("histogram", "bound"):
+def _index_order(values, indices, counts):
+    """Each row's real entries by index ascending (the reference's unsorted order)."""
+    values, indices = values.clone(), indices.clone()
+    for r, c in enumerate(counts.tolist()):
+        order = torch.argsort(indices[r, :c])
+        values[r, :c], indices[r, :c] = values[r, :c][order], indices[r, :c][order]
+    return values, indices, counts
+
+
+def _same_topk(topk_mod, x, k, lengths=None, algorithms=("histogram", "bound"), **knobs):
+    """Both algorithms equal the reference: the same set (any deterministic order), and with
+    ``sorted=True`` the same order."""
+    for algorithm in algorithms:
         for sort in (False, True):
             got = topk_mod.lightning_topk(x, k, lengths, sorted=sort, algorithm=algorithm, **knobs)
             want = ref.topk_reference(x, k, lengths, sorted=sort)
-            for a, b, what in zip(got, want, ("values", "indices", "counts")):
+            for a, b, what in zip(got if sort else _index_order(*got), want, "vic"):
                 assert a.dtype == b.dtype and torch.equal(a, b), (
                     what, algorithm, x.shape, k, knobs, sort,
                 )  # fmt: skip
@@ -501,20 +511,27 @@ def _same_topk(topk_mod, x, k, lengths=None, **knobs):
 def check_topk_random(_comp, topk_mod):
     g = torch.Generator().manual_seed(20)
     x = torch.randn(3, 3000, generator=g)
-    first = _same_topk(topk_mod, x, 64, block=256)  # 3 CTAs per row (CPU: 8 CTAs in all)
-    again = topk_mod.lightning_topk(x, 64, sorted=True, block=256)
-    assert all(torch.equal(a, b) for a, b in zip(first, again))  # deterministic
+    _same_topk(topk_mod, x, 64, block=256)  # 3 CTAs per row (CPU: 8 CTAs in all)
+    for algorithm in ("histogram", "bound"):  # the unsorted order is deterministic
+        first = topk_mod.lightning_topk(x, 64, block=256, algorithm=algorithm)
+        again = topk_mod.lightning_topk(x, 64, block=256, algorithm=algorithm)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
     _same_topk(topk_mod, x[:1], 100, block=128, ctas=7)  # 7 CTAs, ragged last span
-    for chunk in (1, 128):  # bound: chunk maxima of 1 (the entries itself), a whole block
-        got = topk_mod.lightning_topk(x[:1, :1000], 64, algorithm="bound", block=128, chunk=chunk)
+    # bound: columns of 1 entry (the entries themselves), of 128; column loads of 128 entries
+    for knobs in (dict(chunk=1), dict(chunk=128), dict(chunk=8, tile=128)):
+        got = topk_mod.lightning_topk(x[:1, :1000], 64, algorithm="bound", block=128, **knobs)
         want = ref.topk_reference(x[:1, :1000], 64)
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), chunk
-    for bad in (dict(chunk=3), dict(chunk=256), dict(algorithm="sort")):
+        assert all(torch.equal(a, b) for a, b in zip(_index_order(*got), want)), knobs
+    for bad in (dict(chunk=3), dict(algorithm="sort"), dict(trace=torch.zeros(3, 1, 2, 8))):
         try:
             topk_mod.lightning_topk(x, 8, block=128, **bad)
         except ValueError:
             continue
         raise AssertionError(f"expected ValueError for {bad}")
+    assert topk_mod.topk_trace(2, "cpu").shape == (3, 2, topk_mod._MAX_CTAS, 8)
+    # "auto": the histogram algorithm below AUTO_BOUND_ROWS rows, the bound one from there
+    rows = torch.randn(topk_mod.AUTO_BOUND_ROWS, 600, generator=g)
+    _same_topk(topk_mod, rows, 40, algorithms=("auto",), block=128)
     _same_topk(topk_mod, x[:, :1000].double() * 1e30, 50, block=512, num_warps=2)  # fp64 in
     xs = x[:, ::2]  # strided rows
     _same_topk(topk_mod, xs, 33, block=256)
@@ -583,6 +600,16 @@ def check_topk_tail(_comp, topk_mod):
     for x, k in ((dense, 100), (ties, 300), (ascending, 200)):
         _same_topk(topk_mod, x, k, block=256, workspace=ws)
         assert not ws.any()
+    # a threshold bin of 33..128 entries (the larger pairwise tile): 100 keys in one 16-bit bin
+    mid = torch.randn(1, n, generator=g)
+    mid[0, 7::13][:100] = 3.0 + torch.rand(100, generator=g) * 2**-8
+    _same_topk(topk_mod, mid, 60, block=256, workspace=ws)
+    # the top entries all in 4 of 64 columns (period 64): the bound lies far below the
+    # threshold, whose prefix then takes two histogram rounds
+    packed = torch.randn(1, 1024, generator=g)
+    packed[0].view(16, 64)[:, :4] = 1e6 + torch.arange(64.0).view(16, 4)
+    _same_topk(topk_mod, packed, 64, algorithms=("bound",), block=128, chunk=16, workspace=ws)
+    assert not ws.any()
 
 
 INTERP_CHECKS = [
