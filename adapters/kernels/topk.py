@@ -909,12 +909,11 @@ def lightning_topk(
     ``(B,)`` (None: all ``N``). Returns ``(values, indices, counts)``: the set of
     `reference.topk_reference`, in a deterministic order (``sorted=True``: value descending,
     ties by index ascending, as the reference's). ``block`` (entries per CTA step; None: 1024),
-    ``ctas`` (CTAs per row),
-    ``num_warps`` (None: 8), ``bound_warps`` (the bound algorithm's column and finishing
-    kernels), ``tile`` (entries per load of its column kernel) and ``gather_regs`` (a register
-    cap for its gather kernel; None: 64) are launch knobs (benchmark sweeps); ``hist_mask`` forces the
-    histogram
-    variant (None: masked when this Triton supports it); ``pdl``: programmatic dependent launch
+    ``ctas`` (CTAs per row), ``num_warps`` (None: 8), ``bound_warps`` (the bound algorithm's
+    column and finishing kernels), ``tile`` (entries per load of its column kernel) and
+    ``gather_regs`` (a register cap for its gather kernel; None: 64) are launch knobs
+    (benchmark sweeps); ``hist_mask`` forces the histogram variant (None: masked when this
+    Triton supports it); ``pdl``: programmatic dependent launch
     of the later kernels (None: on for CUDA capability >= 9 unless ``ADAPTERS_TOPK_PDL=0``).
     ``algorithm``: ``"histogram"`` (two histogram passes, three launches: the least latency
     for few rows), ``"bound"`` (column maxima bound, two light passes: the most throughput for
