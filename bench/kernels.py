@@ -989,7 +989,7 @@ class Bench:
             ("1x262,144 k=512", 15.0, 5.0),
             ("32x262,144 k=512", None, 2.0),
         ]:
-            r = self._find("lightning (index order)", shape)
+            r = self._find("lightning (default)", shape)
             if not r or not r.get("us"):
                 lines.append(f"topk {shape}: no result")
                 continue
