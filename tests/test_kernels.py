@@ -522,9 +522,10 @@ def check_topk_random(_comp, topk_mod):
         got = topk_mod.lightning_topk(x[:1, :1000], 64, algorithm="bound", block=128, **knobs)
         want = ref.topk_reference(x[:1, :1000], 64)
         assert all(torch.equal(a, b) for a, b in zip(_index_order(*got), want)), knobs
-    for bad in (dict(chunk=3), dict(algorithm="sort"), dict(trace=torch.zeros(3, 1, 2, 8))):
+    bad_knobs = (dict(chunk=3), dict(algorithm="sort"), dict(trace=torch.zeros(3, 1, 2, 8)))
+    for bad in bad_knobs + (dict(block=384), dict(block=32768), dict(block=8)):
         try:
-            topk_mod.lightning_topk(x, 8, block=128, **bad)
+            topk_mod.lightning_topk(x, 8, **{"block": 128, **bad})
         except ValueError:
             continue
         raise AssertionError(f"expected ValueError for {bad}")
@@ -576,6 +577,13 @@ def check_topk_lengths(_comp, topk_mod):
     _same_topk(topk_mod, x, 64, lengths, block=256)
     _same_topk(topk_mod, x, 64, lengths.int(), block=256, hist_mask=False)
     _same_topk(topk_mod, x[:2, :50], 100)  # k > N: every row takes all
+    # int64 lengths past 2**31 clamp to the row (they must not wrap to a small length)
+    _same_topk(topk_mod, x[:2], 64, torch.tensor([2**32 + 3, 2**40]), block=256)
+    # bound: 32 columns < k (no bound: every entry a candidate) beside short and empty rows
+    _same_topk(
+        topk_mod, x[:3, :1000], 64, torch.tensor([1000, 40, 0]), algorithms=("bound",),
+        block=128, chunk=64,
+    )  # fmt: skip
     v, i, c = topk_mod.lightning_topk(x[:0], 8)
     assert v.shape == (0, 8) and i.shape == (0, 8) and c.shape == (0,)
     for bad in (lambda: topk_mod.lightning_topk(x[0], 4), lambda: topk_mod.lightning_topk(x, 0)):
@@ -608,8 +616,56 @@ def check_topk_tail(_comp, topk_mod):
     # threshold, whose prefix then takes two histogram rounds
     packed = torch.randn(1, 1024, generator=g)
     packed[0].view(16, 64)[:, :4] = 1e6 + torch.arange(64.0).view(16, 4)
-    _same_topk(topk_mod, packed, 64, algorithms=("bound",), block=128, chunk=16, workspace=ws)
+    for hist_mask in (True, False):
+        _same_topk(
+            topk_mod, packed, 64, algorithms=("bound",), block=128, chunk=16, workspace=ws,
+            hist_mask=hist_mask,
+        )  # fmt: skip
     assert not ws.any()
+    # a crowded bin of two keys (one ulp apart) whose lower key is only partly taken: the
+    # select tail refines, then ranks the ties
+    two = torch.where(torch.rand(1, 600, generator=g) < 0.5, 1.0, torch.nextafter(
+        torch.tensor(1.0), torch.tensor(2.0)))  # fmt: skip
+    _same_topk(topk_mod, two, 400, algorithms=("histogram",), block=128, workspace=ws)
+    # an all-equal bin taken by index over more than one tail chunk (want > 2048)
+    _same_topk(topk_mod, torch.full((1, 2200), 0.5), 2100, block=256, workspace=ws)
+    # the same call twice on one workspace: the same output, the workspace zeroed each time
+    for algorithm in ("histogram", "bound"):
+        a = topk_mod.lightning_topk(ties, 300, block=256, workspace=ws, algorithm=algorithm)
+        assert not ws.any()
+        b = topk_mod.lightning_topk(ties, 300, block=256, workspace=ws, algorithm=algorithm)
+        assert all(torch.equal(u, v) for u, v in zip(a, b)) and not ws.any()
+
+
+def check_topk_failed_launch(_comp, topk_mod):
+    """A launch that fails part-way drops the cached workspace it may have left dirty."""
+    ws, other = topk_mod.topk_workspace(1, "cpu"), topk_mod.topk_workspace(1, "cpu")
+    topk_mod._STREAM_WORKSPACES[(-2, -2)] = [other]
+    topk_mod._STREAM_WORKSPACES[(-1, -1)] = [ws]
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("launch failed")
+
+            return launch
+
+    real = topk_mod._hist2_kernel
+    topk_mod._hist2_kernel = Broken()
+    real_ws = topk_mod._stream_workspace
+    topk_mod._stream_workspace = lambda batch, device: ws
+    try:
+        for given in (None, other):  # a caller's own workspace is the caller's to drop
+            try:
+                topk_mod.lightning_topk(torch.randn(1, 300), 8, block=128, workspace=given)
+            except RuntimeError:
+                continue
+            raise AssertionError("expected the launch error")
+    finally:
+        topk_mod._hist2_kernel = real
+        topk_mod._stream_workspace = real_ws
+    assert topk_mod._STREAM_WORKSPACES.pop((-1, -1)) == []
+    assert topk_mod._STREAM_WORKSPACES.pop((-2, -2)) == [other]
 
 
 INTERP_CHECKS = [
@@ -622,6 +678,7 @@ INTERP_CHECKS = [
     "check_topk_ties",
     "check_topk_lengths",
     "check_topk_tail",
+    "check_topk_failed_launch",
 ]
 
 
@@ -636,3 +693,37 @@ def test_interpreter_does_not_leak(interp):
     if interp is not None:  # private copies: the package's own modules stay untouched
         assert interp[0].__name__ == "adapters.kernels._interpreted_compressor"
         assert sys.modules.get(interp[1].__name__) is None
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and kernels.TRITON_AVAILABLE), reason="needs CUDA and Triton"
+)
+def test_topk_on_cuda_graphs_streams_and_long_lengths():  # pragma: no cover - needs a GPU
+    """Both algorithms on the GPU: two graphs captured on torch's shared capture stream and
+    replayed in the other order (each has its own workspace), eager calls on two streams, and
+    int64 lengths past 2**31."""
+    tk = importlib.import_module("adapters.kernels.topk")  # the package's `topk` is a function
+    g = torch.Generator("cuda").manual_seed(3)
+    for b, algorithm in ((2, "histogram"), (tk.AUTO_BOUND_ROWS + 1, "bound")):
+        x = torch.randn(b, 20_000, device="cuda", generator=g)
+        want = ref.topk_reference(x.cpu(), 64)
+        tk.lightning_topk(x, 64, algorithm=algorithm)  # compiled outside the capture
+        graphs, outs = [], []
+        for _ in range(2):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs.append(tk.lightning_topk(x, 64, algorithm=algorithm))
+            graphs.append(graph)
+        for graph, out in zip(graphs[::-1], outs[::-1]):
+            graph.replay()
+            torch.cuda.synchronize()
+            got = _index_order(*(t.cpu() for t in out))
+            assert all(torch.equal(a, w) for a, w in zip(got, want)), algorithm
+        lengths = torch.tensor([2**32 + 3] + [5_000] * (b - 1), device="cuda")
+        want = ref.topk_reference(x.cpu(), 64, lengths.cpu())
+        for stream in (torch.cuda.Stream(), torch.cuda.current_stream()):
+            with torch.cuda.stream(stream):
+                out = tk.lightning_topk(x, 64, lengths, algorithm=algorithm)
+            torch.cuda.synchronize()
+            got = _index_order(*(t.cpu() for t in out))
+            assert all(torch.equal(a, w) for a, w in zip(got, want)), (algorithm, "lengths")

@@ -117,8 +117,9 @@ def topk(
     scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None, *, sorted: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(values, indices, counts)``: exact top-``k`` of each row's valid prefix, ties to the
-    lowest index, padding index 0 / value -inf past ``counts``; index order, or value order with
-    ``sorted``. See `reference.topk_reference`."""
+    lowest index, padding index 0 / value -inf past ``counts``; value order with ``sorted``,
+    else a deterministic order that is the implementation's (the reference's: by index; Lightning
+    TopK's: see `topk.lightning_topk`). See `reference.topk_reference`."""
     if use_triton(scores):  # pragma: no cover - needs a GPU
         from .topk import lightning_topk
 

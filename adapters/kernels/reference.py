@@ -198,8 +198,9 @@ def topk_reference(
 
     Returns ``(values (B, k) fp32, indices (B, k) int64, counts (B,) int32)``: ``counts[b] =
     min(k, lengths[b])`` entries are real; the rest are padding, index 0 and value -inf.
-    Order of the real entries: by index ascending (``sorted=False``, the kernel's natural
-    order), or by value descending with ties by index ascending (``sorted=True``).
+    Order of the real entries: by index ascending (``sorted=False``; the kernels may return the
+    same set in another deterministic order), or by value descending with ties by index
+    ascending (``sorted=True``, which the kernels match exactly).
     Each row is a stable descending sort of its valid prefix, cut at ``k``."""
     if scores.dim() != 2:
         raise ValueError("scores must be (B, N)")

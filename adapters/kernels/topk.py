@@ -165,7 +165,8 @@ def _row_extent(len_ptr, b, N, HN, k, HAS_LEN: tl.constexpr):
     ``k`` entries, else 0: it takes them all) and whether it selects (1) or takes all (0).
     Without lengths the host passes ``HN``."""
     if HAS_LEN:
-        n = tl.minimum(tl.maximum(tl.load(len_ptr + b).to(tl.int32), 0), N)
+        # clamped in the lengths' own dtype (int64 lengths past 2**31 must not wrap), then narrowed
+        n = tl.minimum(tl.maximum(tl.load(len_ptr + b), 0), N).to(tl.int32)
         hist_n = n * tl.minimum(tl.maximum(n - k, 0), 1)
     else:
         n = N
@@ -612,7 +613,7 @@ def _colmax_kernel(
     i = tl.arange(0, RB)[:, None] * M + cols[None, :]
     x = tl.load(row + i, mask=i < lim, other=0.0)
     acc = tl.zeros((S,), tl.uint32)
-    for _ in range(0, R * tl.minimum(hist_n, 1), RB):
+    for _ in range(0, tl.minimum(tl.cdiv(hist_n, M), R), RB):  # rows holding valid entries
         i_n = i + RB * M
         x_n = tl.load(row + i_n, mask=i_n < lim, other=0.0)
         key = tl.where(i < hist_n, _keys(x), 0)  # 0: below every real key
@@ -937,6 +938,9 @@ def lightning_topk(
         raise ValueError(f"unknown algorithm {algorithm!r}: 'auto', 'histogram' or 'bound'")
     if chunk is not None and (chunk < 1 or chunk & (chunk - 1)):
         raise ValueError("chunk must be a power of two")
+    if block is not None and (block & (block - 1) or not 16 <= block <= 16384):
+        # the select kernel packs two per-block counts into one 32-bit scan
+        raise ValueError("block must be a power of two from 16 to 16384")
     if scores.dtype != torch.float32:
         scores = scores.float()
     if scores.stride(-1) != 1:
@@ -983,49 +987,55 @@ def lightning_topk(
     nn = max(n, 1)
     mc = min(2048, max(1024, triton.next_power_of_2(k + k // 2)))  # the tail's chunk
     cb = min(1024, triton.next_power_of_2(c))
-    if algorithm == "bound":
-        # capped, the gather keeps enough CTAs resident to hide its loads (the compiler would
-        # take ~100 registers: two CTAs per SM, several waves)
-        regs = dict(maxnreg=gather_regs or 64) if dev.type == "cuda" else {}
-        m, r, cc, s, rb = _columns(n, k, b, tile, dev, chunk, ctas)
-        # one scratch allocation: column maxima (b, m), then per row [values | indices] (2n)
-        scratch = torch.empty((b * (m + 2 * nn),), dtype=torch.int32, device=dev)
-        mx, cand = scratch[: b * m], scratch[b * m :]
-        _colmax_kernel[(cc, b)](
-            scores, lens, ws, mx, n, hn, stride, k, cc, m, r, tr[0],
-            S=s, RB=rb, MB=min(2048, m), **dict(common, num_warps=bound_warps[0]),
-        )  # fmt: skip
-        _gather_kernel[grid](
-            scores, lens, ws, cand.view(torch.float32), cand, n, hn, stride, span, k, tr[1],
-            BLOCK=block, CB=cb, HAS_LEN=has_len, PDL=use_pdl, TRACE=trace is not None,
-            num_warps=num_warps, **follow, **regs,
-        )  # fmt: skip
-        _finish_kernel[(b,)](
-            lens, ws, cand.view(torch.float32), cand, values, indices, counts, n, hn, k, c,
-            tr[2], CB=cb, MC=mc, **dict(common, num_warps=bound_warps[1]), **follow,
-        )  # fmt: skip
-    else:
-        # one scratch allocation: per-CTA counts (b, 257, c), then per row [values | indices]
-        scratch = torch.empty((b * ((_NB + 1) * c + 2 * nn),), dtype=torch.int32, device=dev)
-        ge, cand = scratch[: b * (_NB + 1) * c], scratch[b * (_NB + 1) * c :]
-        _hist1_kernel[grid](
-            scores, lens, ws, n, hn, stride, span, k, tr[0], BLOCK=block, **common
-        )
-        _hist2_kernel[grid](
-            scores, lens, ws, ge, n, hn, stride, span, k, c, tr[1], BLOCK=block, **common, **follow
-        )
-        _select_kernel[grid](
-            scores, lens, ws, ge, cand.view(torch.float32), cand, values, indices, counts,
-            n, hn, stride, span, k, c, tr[2], BLOCK=block, CB=cb, MC=mc,
-            PAIR_SMALL=PAIR_SMALL, PAIR=PAIR, **common, **follow, **tail,
-        )  # fmt: skip
+    try:
+        if algorithm == "bound":
+            # capped, the gather keeps enough CTAs resident to hide its loads (the compiler would
+            # take ~100 registers: two CTAs per SM, several waves)
+            regs = dict(maxnreg=gather_regs or 64) if dev.type == "cuda" else {}
+            m, r, cc, s, rb = _columns(n, k, b, tile, dev, chunk, ctas)
+            # one scratch allocation: column maxima (b, m), then per row [values | indices] (2n)
+            scratch = torch.empty((b * (m + 2 * nn),), dtype=torch.int32, device=dev)
+            mx, cand = scratch[: b * m], scratch[b * m :]
+            _colmax_kernel[(cc, b)](
+                scores, lens, ws, mx, n, hn, stride, k, cc, m, r, tr[0],
+                S=s, RB=rb, MB=min(2048, m), **dict(common, num_warps=bound_warps[0]),
+            )  # fmt: skip
+            _gather_kernel[grid](
+                scores, lens, ws, cand.view(torch.float32), cand, n, hn, stride, span, k, tr[1],
+                BLOCK=block, CB=cb, HAS_LEN=has_len, PDL=use_pdl, TRACE=trace is not None,
+                num_warps=num_warps, **follow, **regs,
+            )  # fmt: skip
+            _finish_kernel[(b,)](
+                lens, ws, cand.view(torch.float32), cand, values, indices, counts, n, hn, k, c,
+                tr[2], CB=cb, MC=mc, **dict(common, num_warps=bound_warps[1]), **follow,
+            )  # fmt: skip
+        else:
+            # one scratch allocation: per-CTA counts (b, 257, c), then per row [values | indices]
+            scratch = torch.empty((b * ((_NB + 1) * c + 2 * nn),), dtype=torch.int32, device=dev)
+            ge, cand = scratch[: b * (_NB + 1) * c], scratch[b * (_NB + 1) * c :]
+            _hist1_kernel[grid](
+                scores, lens, ws, n, hn, stride, span, k, tr[0], BLOCK=block, **common
+            )
+            _hist2_kernel[grid](
+                scores, lens, ws, ge, n, hn, stride, span, k, c, tr[1], BLOCK=block,
+                **common, **follow,
+            )  # fmt: skip
+            _select_kernel[grid](
+                scores, lens, ws, ge, cand.view(torch.float32), cand, values, indices, counts,
+                n, hn, stride, span, k, c, tr[2], BLOCK=block, CB=cb, MC=mc,
+                PAIR_SMALL=PAIR_SMALL, PAIR=PAIR, **common, **follow, **tail,
+            )  # fmt: skip
+    except BaseException:  # a launch failed part-way: the state may be left dirty
+        if workspace is None:
+            _forget_workspace(ws)
+        raise
     if sorted:
         sort_topk(scores, values, indices, counts)
     return values, indices, counts
 
 
-# (device, stream) -> every workspace made for that stream, the largest last. None is freed: a
-# captured CUDA graph may hold the address of any of them.
+# (device, stream) -> every workspace made for that stream, the largest last. None is freed (a
+# graph captured before the growth may hold an older one's address) unless a call failed on it.
 _STREAM_WORKSPACES: dict[tuple[int, int], list[torch.Tensor]] = {}
 
 
@@ -1033,15 +1043,26 @@ def _stream_workspace(batch: int, device: torch.device) -> torch.Tensor:
     """The current stream's zeroed workspace for ``batch`` rows (CUDA), or a fresh one."""
     if device.type != "cuda":
         return topk_workspace(batch, device)
-    return _cuda_stream_workspace(batch, device)
+    return _cuda_stream_workspace(batch, device)  # pragma: no cover - needs a GPU
 
 
 def _cuda_stream_workspace(batch: int, device: torch.device) -> torch.Tensor:  # pragma: no cover
+    if torch.cuda.is_current_stream_capturing():
+        # graphs captured on one stream (torch's default capture stream is shared) may replay in
+        # any order or at once: each gets its own workspace, zeroed by a memset in the graph
+        return topk_workspace(batch, device)
     stream = torch.cuda.current_stream(device)
     made = _STREAM_WORKSPACES.setdefault((stream.device_index, stream.cuda_stream), [])
     if not made or made[-1].shape[0] < batch:
         made.append(topk_workspace(max(batch, 2 * made[-1].shape[0] if made else 8), device))
     return made[-1]
+
+
+def _forget_workspace(ws: torch.Tensor) -> None:
+    """Drops a cached workspace that a failed call may have left dirty."""
+    for made in _STREAM_WORKSPACES.values():
+        if any(w is ws for w in made):
+            made[:] = [w for w in made if w is not ws]
 
 
 def topk_trace(batch: int, device: torch.device | str) -> torch.Tensor:
