@@ -356,6 +356,15 @@ def _prefix16(cv, v0, total, base, krem, MC: tl.constexpr, HIST_MASK: tl.constex
 
 
 @triton.jit
+def _low_bytes(cv, v0, total, p16, krem, MC: tl.constexpr, HIST_MASK: tl.constexpr):
+    """The exact threshold key ``T`` of a list under its known 16-bit prefix (two 8-bit rounds),
+    how many of its ties to take, and whether that is all of them."""
+    p24, krem2, _ = _refine(cv, v0, total, p16, 8, krem, MC, HIST_MASK)
+    thr, need, ties = _refine(cv, v0, total, p24, 0, krem2, MC, HIST_MASK)
+    return thr, need, need == ties
+
+
+@triton.jit
 def _emit(cv, ci, v0, i0, total, thr, need, every, want, out_v, out_i, MC: tl.constexpr):
     """Writes, from a list in index order, the keys above ``thr`` and the ``need`` lowest-index
     ties at ``thr`` (``every``: need is all of them) to ``out_v``/``out_i``, in index order,
@@ -560,9 +569,8 @@ def _select_kernel(
             p = tl.arange(0, MC)
             v0 = tl.load(cv + p, mask=p < m, other=0.0, cache_modifier=".cg")
             i0 = tl.load(ci + p, mask=p < m, other=0, cache_modifier=".cg")
-            p24, krem3, _ = _refine(cv, v0, m, p16, 8, want, MC, HIST_MASK)
-            thr, need, ties = _refine(cv, v0, m, p24, 0, krem3, MC, HIST_MASK)
-            _emit(cv, ci, v0, i0, m, thr, need, need == ties, want, bv, bi, MC)
+            thr, need, every = _low_bytes(cv, v0, m, p16, want, MC, HIST_MASK)
+            _emit(cv, ci, v0, i0, m, thr, need, every, want, bv, bi, MC)
         _stamp(tr_ptr, b, pid, 6, TRACE)
         _finish_row(out_v, out_i, cnt_ptr, b, count, k, MC)
         _clear_state(st, MC)
@@ -802,9 +810,7 @@ def _finish_kernel(
             base = tl.load(st + BOUND, cache_modifier=".cg").to(tl.uint32, bitcast=True) >> 16
             p16, krem = _prefix16(cv, v0, total, base, count, MC, HIST_MASK)
             _stamp(tr_ptr, b, pid, 4, TRACE)
-            p24, krem, _ = _refine(cv, v0, total, p16, 8, krem, MC, HIST_MASK)
-            thr, need, ties = _refine(cv, v0, total, p24, 0, krem, MC, HIST_MASK)
-            every = need == ties
+            thr, need, every = _low_bytes(cv, v0, total, p16, krem, MC, HIST_MASK)
     _stamp(tr_ptr, b, pid, 5, TRACE)
     out_v = val_ptr + b.to(tl.int64) * k
     out_i = idx_ptr + b.to(tl.int64) * k
