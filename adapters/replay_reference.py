@@ -21,6 +21,10 @@ A request served by a replayed hit over an exactly cached prefix is therefore::
 One extension over ``[0, T)`` is `reference.DenseKeys` exactly; chunking an extension changes
 nothing (the dense maths is position-local). `fork` truncates a copy, for requests reusing a
 prefix that an earlier (replayed) request computed.
+
+V4.1 sharing as `reference.DenseKeys` spells it: a KV-source layer keeps the compressed
+entries (C4: and the indexer keys) that its consumers read; an index-source layer's selection
+of the segment's queries is what the other C4 layers of that segment attend to.
 """
 
 from __future__ import annotations
@@ -51,8 +55,6 @@ class SegmentedReference:
 
     def __init__(self, weights: ModelWeights) -> None:
         cfg, dev = weights.config, weights.device
-        if cfg.kv_sources:
-            raise ValueError("the replay oracle does not model V4.1 cross-layer sharing")
         self.weights = weights
         self.tokens: list[int] = []
         self._layers = [
@@ -125,6 +127,7 @@ class _SegmentKeys:
     def __init__(self, ref: SegmentedReference, start: int, window_from: int, replay: bool) -> None:
         self.ref, self.start, self.window_from, self.replay = ref, start, window_from, replay
         self.cfg = ref.weights.config
+        self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per index source
 
     def attend(self, layer: LayerInput) -> torch.Tensor:
         cfg, t = self.cfg, layer.positions
@@ -136,18 +139,32 @@ class _SegmentKeys:
         keys = st.kv[win_pos.clamp(min=0)]
         ratio = layer.weights.ratio
         if ratio:
-            assert layer.weights.compressor is not None
-            entries = self._entries(layer, st, "kv", layer.weights.compressor, ratio)
+            entries = self._source_entries(layer, st, ratio)
             g = torch.arange(entries.shape[0], device=t.device)
             visible = (g[None, :] + 1) * ratio - 1 <= t[:, None]
             if cfg.is_sparse(ratio):
-                chosen, chosen_mask = self._select(layer, st, visible)
+                chosen, chosen_mask = self._select(layer, visible)
                 keys = torch.cat((keys, entries[chosen]), dim=1)
                 mask = torch.cat((mask, chosen_mask), dim=1)
             else:
                 keys = torch.cat((keys, entries[None].expand(t.shape[0], -1, -1)), dim=1)
                 mask = torch.cat((mask, visible), dim=1)
         return ops.sink_attention(layer.q, keys, mask, layer.weights.sink, cfg.scale)
+
+    def _source_entries(self, layer: LayerInput, st: _LayerState, ratio: int) -> torch.Tensor:
+        """The entries ``layer`` reads: its own if it is a KV source (with the C4 indexer keys),
+        else those its source left in this forward (sources come first)."""
+        i, done = layer.index, (self.start + layer.x.shape[0]) // ratio
+        source = self.cfg.kv_source_of(i)
+        if source != i:
+            return self.ref._layers[source].entries["kv"][:done]
+        comp, idx = layer.weights.compressor, layer.weights.indexer
+        assert comp is not None
+        entries = self._entries(layer, st, "kv", comp, ratio)
+        if self.cfg.is_sparse(ratio):
+            assert idx is not None and idx.compressor is not None
+            self._entries(layer, st, "index", idx.compressor, 4)
+        return entries
 
     def _entries(
         self, layer: LayerInput, st: _LayerState, name: str, comp: Compressor, ratio: int
@@ -170,18 +187,23 @@ class _SegmentKeys:
         st.entries[name] = torch.cat((stored[:first], new.to(layer.x.dtype)))
         return st.entries[name]
 
-    def _select(self, layer: LayerInput, st: _LayerState, visible: torch.Tensor):
-        """The indexer's top-k visible entries per query over the stored indexer keys."""
-        cfg, idx = self.cfg, layer.weights.indexer
-        assert idx is not None and idx.compressor is not None  # no sharing (see __init__)
+    def _select(self, layer: LayerInput, visible: torch.Tensor):
+        """The indexer's top-k visible entries per query over the stored indexer keys of the
+        layer's KV source, or the nearest index source's selection of this segment."""
+        cfg, i, idx = self.cfg, layer.index, layer.weights.indexer
+        if not cfg.runs_indexer(i):
+            return self.selection[cfg.index_source_of(i)]
+        assert idx is not None
         n = layer.x.shape[0]
-        keys = self._entries(layer, st, "index", idx.compressor, 4)
+        done = (self.start + n) // 4
+        keys = self.ref._layers[cfg.kv_source_of(i)].entries["index"][:done]
         q = (layer.x @ idx.w_q).view(n, cfg.index_heads, cfg.index_dim)
         q = ops.rope(q, layer.positions, cfg.rope_dim, cfg.rope_theta)
         scores = ops.index_scores(q, layer.x @ idx.w_weight, keys[None].expand(n, -1, -1))
         scores = scores.masked_fill(~visible, float("-inf"))
         values, indices = ops.topk_lowest_index(scores, min(cfg.index_topk, scores.shape[1]))
-        return indices, torch.isfinite(values)
+        self.selection[i] = (indices, torch.isfinite(values))
+        return self.selection[i]
 
 
 def _splice(old: torch.Tensor, start: int, new: torch.Tensor) -> torch.Tensor:

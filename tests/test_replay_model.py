@@ -18,7 +18,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from small_models import CFG, SHORT
+from small_models import CFG, SHORT, SMALL
 
 from adapters.graph_decode import GraphDecoder
 from adapters.model_config import preset
@@ -401,10 +401,44 @@ def test_replay_step_rejects_what_is_not_a_replay() -> None:
     eng.cache.abort(other)
 
 
-def test_replay_oracle_refuses_cross_layer_sharing() -> None:
-    from adapters.replay_reference import SegmentedReference
-    from adapters.weights import init_weights
+#: V4.1 sharing at window 16: KV sources 1 (C4) and 2 (C16), index sources 1 and 5
+SHORT_SHARED = preset(
+    "tiny-shared", **{**SMALL, "window": 16, "compress_ratios": (0, 4, 16, 4, 16, 4, 0, 4)}
+)
 
-    shared = preset("tiny-shared", hidden=32, head_dim=16, rope_dim=4, index_dim=8)
-    with pytest.raises(ValueError, match="sharing"):
-        SegmentedReference(init_weights(shared, "cpu", torch.float64))
+
+def test_oracle_with_sharing_is_the_dense_reference() -> None:
+    """The oracle's sharing (sources publish entries and selections, consumers read them) is
+    `reference.DenseKeys`' bit for bit, over segments of any size."""
+    w = weights_for(SHORT_SHARED)
+    seq = TOKENS[:90]
+    ref = reference_logits(w, seq)
+    oracle = SegmentedReference(w)
+    got = torch.cat([oracle.extend(seq[a:b]) for a, b in ((0, 3), (3, 21), (21, 64), (64, 90))])
+    assert_exact(got, ref, "segments")
+    assert_exact(oracle.fork(45).extend(seq[45:70]), ref[45:70], "fork")
+
+
+@pytest.mark.parametrize("page", [1, 4, 8])
+def test_replayed_hit_on_a_shared_model_equals_oracle(page: int) -> None:
+    """Replay with V4.1 sharing: consumers read the sources' cached entries, the replay
+    rebuilds every layer's window; the paged result is the oracle's and not a cold prefill."""
+    eng = Engine(SHORT_SHARED, page)
+    eng.serve_cold(TOKENS[:90], chunk=7)
+    eng.cache.evict(swa_tokens=10**6)
+    prompt = replayed_prompt(83)
+    req = eng.admit_replayed(prompt)
+    prefix, start = req.match.prefix_len, req.match.replay_start
+    replayed = eng.replay([req], (1, 3, 5))[0]
+    got = [eng.prefill(req, 5)]
+    for t in TAIL[40:42]:
+        got += eng.step([req], [[t]])
+    seq = prompt + TAIL[40:42]
+    oracle = SegmentedReference(eng.weights)
+    oracle.extend(seq[:prefix])
+    assert_exact(replayed, oracle.replay(start), "the replay forward")
+    assert_exact(torch.cat(got), oracle.extend(seq[prefix:]), f"page {page}")
+    cold = reference_logits(eng.weights, seq)[prefix:]
+    assert float((torch.cat(got) - cold).abs().max()) > 1e-9, "replay is an approximation"
+    eng.cache.finish(req)
+    eng.cache.check_invariants()
