@@ -19,3 +19,7 @@ SMALL = dict(
 CFG = preset("tiny", **SMALL)
 #: window 16, C4 (overlapped, sparse) + C16 (dense): short prompts cross many windows/groups
 SHORT = preset("tiny", **SMALL, window=16, compress_ratios=(0, 4, 16, 4))
+#: SHORT's window with V4.1 sharing: KV sources 1 (C4) and 2 (C16), index sources 1 and 5
+SHORT_SHARED = preset(
+    "tiny-shared", **{**SMALL, "window": 16, "compress_ratios": (0, 4, 16, 4, 16, 4, 0, 4)}
+)

@@ -18,10 +18,9 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from small_models import CFG, SHORT, SMALL
+from small_models import CFG, SHORT, SHORT_SHARED
 
 from adapters.graph_decode import GraphDecoder
-from adapters.model_config import preset
 from adapters.paged import build_step, run_step
 from adapters.pools import KVPools
 from adapters.reference import reference_logits
@@ -399,12 +398,6 @@ def test_replay_step_rejects_what_is_not_a_replay() -> None:
     with pytest.raises(ReplayPlanError, match="must not carry rows or write"):
         check_replay(forged)
     eng.cache.abort(other)
-
-
-#: V4.1 sharing at window 16: KV sources 1 (C4) and 2 (C16), index sources 1 and 5
-SHORT_SHARED = preset(
-    "tiny-shared", **{**SMALL, "window": 16, "compress_ratios": (0, 4, 16, 4, 16, 4, 0, 4)}
-)
 
 
 def test_oracle_with_sharing_is_the_dense_reference() -> None:

@@ -25,7 +25,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from small_models import CFG, SHORT, SMALL
+from small_models import CFG, SHORT, SHORT_SHARED, SMALL
 
 from adapters.cli import add_run_parser
 from adapters.reference import reference_generate, reference_logits
@@ -272,7 +272,7 @@ class ReplayRunnerMachine(RuleBasedStateMachine):
     reference; every flagged one was admitted by a replay, and (if never preempted) equals the
     replay oracle."""
 
-    replays_checked = 0
+    replays_checked = {False: 0, True: 0}  # by V4.1 sharing
 
     def __init__(self) -> None:
         super().__init__()
@@ -288,10 +288,12 @@ class ReplayRunnerMachine(RuleBasedStateMachine):
         max_running=st.integers(1, 3),
         extra_swa=st.integers(0, 12),
         graph=st.booleans(),
+        shared=st.booleans(),
     )
-    def setup(self, page, chunk, max_running, extra_swa, graph) -> None:
+    def setup(self, page, chunk, max_running, extra_swa, graph, shared) -> None:
+        self.cfg = SHORT_SHARED if shared else SHORT  # V4.1 sharing, or every layer its own
         swa = -(-(chunk + SHORT.window + 2 * page) // page) + extra_swa // page
-        self.runner = make_runner(cfg=SHORT, page=page, full_pages=-(-4000 // page),
+        self.runner = make_runner(cfg=self.cfg, page=page, full_pages=-(-4000 // page),
                                   swa_pages=swa, chunk=chunk, max_running=max_running,
                                   graph_decode=graph)  # fmt: skip
         for g in GROUPS:  # max_new_tokens=1 commits (and caches) the prompt only
@@ -337,7 +339,7 @@ class ReplayRunnerMachine(RuleBasedStateMachine):
     def _check(self, res: GenerationResult) -> None:
         prompt, n = self.submitted[res.request_id]
         assert res.finish_reason == "length" and len(res.output) == n
-        w = weights_for(SHORT)
+        w = weights_for(self.cfg)
         if not res.approximate:
             assert res.output == reference_generate(w, prompt, n), "unflagged yet not exact"
             return
@@ -347,7 +349,7 @@ class ReplayRunnerMachine(RuleBasedStateMachine):
             m = matches[0]
             want = replay_reference_generate(w, prompt, m.prefix_len, m.replay_start, n)
             assert res.output == want
-            ReplayRunnerMachine.replays_checked += 1
+            ReplayRunnerMachine.replays_checked[self.cfg is SHORT_SHARED] += 1
 
     def teardown(self) -> None:
         if self.runner is None:
@@ -372,15 +374,17 @@ TestReplayRunnerMachine.settings = settings(
 
 
 def test_machine_really_replays() -> None:
-    before = ReplayRunnerMachine.replays_checked
+    """The machine checks replayed results against the oracle, with and without sharing."""
+    before = dict(ReplayRunnerMachine.replays_checked)
     run_state_machine_as_test(
         ReplayRunnerMachine,
         settings=settings(
-            max_examples=3,
+            max_examples=6,
             stateful_step_count=15,
             derandomize=True,
             deadline=None,
             suppress_health_check=list(HealthCheck),
         ),
     )
-    assert ReplayRunnerMachine.replays_checked > before
+    after = ReplayRunnerMachine.replays_checked
+    assert after[False] > before[False] and after[True] > before[True], (before, after)
