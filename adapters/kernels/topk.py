@@ -116,6 +116,20 @@ def _stamp(tr_ptr, b, pid, slot: tl.constexpr, TRACE: tl.constexpr):
             tl.store(at, _clock())
 
 
+@triton.jit
+def _trace_start(tr_ptr, b, pid, TRACE: tl.constexpr):
+    """A CTA's start: global timer (slot 0) and SM clock (slot 2)."""
+    _stamp(tr_ptr, b, pid, 0, TRACE)
+    _stamp(tr_ptr, b, pid, 2, TRACE)
+
+
+@triton.jit
+def _trace_end(tr_ptr, b, pid, TRACE: tl.constexpr):
+    """A CTA's end: SM clock (slot 7) and global timer (slot 1)."""
+    _stamp(tr_ptr, b, pid, 7, TRACE)
+    _stamp(tr_ptr, b, pid, 1, TRACE)
+
+
 
 
 # Per-row state, int32 words, all zero between calls: hist1[256], hist2[256], a header of 16
@@ -216,8 +230,7 @@ def _hist1_kernel(
         gdc_launch_dependents()  # the next kernel may start its loads now
     pid = tl.program_id(0)
     b = tl.program_id(1)
-    _stamp(tr_ptr, b, pid, 0, TRACE)
-    _stamp(tr_ptr, b, pid, 2, TRACE)
+    _trace_start(tr_ptr, b, pid, TRACE)
     row = x_ptr + b.to(tl.int64) * stride_x
     n, hist_n, keep = _row_extent(len_ptr, b, N, HN, k, HAS_LEN)
     start = pid * span
@@ -235,8 +248,7 @@ def _hist1_kernel(
     _stamp(tr_ptr, b, pid, 4, TRACE)
     st = st_ptr + b.to(tl.int64) * WS_ROW
     tl.atomic_add(st + HIST1 + tl.arange(0, NB), hist, mask=hist > 0, sem="relaxed")
-    _stamp(tr_ptr, b, pid, 7, TRACE)
-    _stamp(tr_ptr, b, pid, 1, TRACE)
+    _trace_end(tr_ptr, b, pid, TRACE)
 
 
 @triton.jit
@@ -272,8 +284,7 @@ def _hist2_kernel(
         gdc_launch_dependents()
     pid = tl.program_id(0)
     b = tl.program_id(1)
-    _stamp(tr_ptr, b, pid, 0, TRACE)
-    _stamp(tr_ptr, b, pid, 2, TRACE)
+    _trace_start(tr_ptr, b, pid, TRACE)
     row = x_ptr + b.to(tl.int64) * stride_x
     n, hist_n, keep = _row_extent(len_ptr, b, N, HN, k, HAS_LEN)
     start = pid * span
@@ -302,8 +313,7 @@ def _hist2_kernel(
     tl.store(gep + bins * C, ge)
     tl.store(gep + NB * C, above)
     tl.atomic_add(st + HIST2 + bins, hist, mask=hist > 0, sem="relaxed")
-    _stamp(tr_ptr, b, pid, 7, TRACE)
-    _stamp(tr_ptr, b, pid, 1, TRACE)
+    _trace_end(tr_ptr, b, pid, TRACE)
 
 
 @triton.jit
@@ -479,8 +489,7 @@ def _select_kernel(
     list (typically a few dozen entries)."""
     pid = tl.program_id(0)
     b = tl.program_id(1)
-    _stamp(tr_ptr, b, pid, 0, TRACE)
-    _stamp(tr_ptr, b, pid, 2, TRACE)
+    _trace_start(tr_ptr, b, pid, TRACE)
     row = x_ptr + b.to(tl.int64) * stride_x
     n, hist_n, keep = _row_extent(len_ptr, b, N, HN, k, HAS_LEN)
     start = pid * span
@@ -574,8 +583,7 @@ def _select_kernel(
         _stamp(tr_ptr, b, pid, 6, TRACE)
         _finish_row(out_v, out_i, cnt_ptr, b, count, k, MC)
         _clear_state(st, MC)
-    _stamp(tr_ptr, b, pid, 7, TRACE)
-    _stamp(tr_ptr, b, pid, 1, TRACE)
+    _trace_end(tr_ptr, b, pid, TRACE)
 
 
 # -- the bound algorithm: column maxima give a lower bound; one pass gathers what is above it ---
@@ -612,8 +620,7 @@ def _colmax_kernel(
     ascending row) spreads over as many columns as it has entries."""
     pid = tl.program_id(0)
     b = tl.program_id(1)
-    _stamp(tr_ptr, b, pid, 0, TRACE)
-    _stamp(tr_ptr, b, pid, 2, TRACE)
+    _trace_start(tr_ptr, b, pid, TRACE)
     row = x_ptr + b.to(tl.int64) * stride_x
     n, hist_n, keep = _row_extent(len_ptr, b, N, HN, k, HAS_LEN)
     lim = N * tl.minimum(hist_n, 1)  # N: keeps the masked loads 16-byte vectors
@@ -657,8 +664,7 @@ def _colmax_kernel(
         tl.store(st + BOUND, bound.to(tl.int32, bitcast=True))
         tl.store(st + TICKET_A, 0)
         _stamp(tr_ptr, b, pid, 6, TRACE)
-    _stamp(tr_ptr, b, pid, 7, TRACE)
-    _stamp(tr_ptr, b, pid, 1, TRACE)
+    _trace_end(tr_ptr, b, pid, TRACE)
 
 
 @triton.jit
@@ -687,8 +693,7 @@ def _gather_kernel(
         gdc_launch_dependents()  # the finishing kernel: one CTA per row
     pid = tl.program_id(0)
     b = tl.program_id(1)
-    _stamp(tr_ptr, b, pid, 0, TRACE)
-    _stamp(tr_ptr, b, pid, 2, TRACE)
+    _trace_start(tr_ptr, b, pid, TRACE)
     row = x_ptr + b.to(tl.int64) * stride_x
     n, hist_n, keep = _row_extent(len_ptr, b, N, HN, k, HAS_LEN)
     start = pid * span
@@ -743,8 +748,7 @@ def _gather_kernel(
         running += tl.sum(c, axis=0)
         x, idx = x_n, idx_n
     _stamp(tr_ptr, b, pid, 6, TRACE)
-    _stamp(tr_ptr, b, pid, 7, TRACE)
-    _stamp(tr_ptr, b, pid, 1, TRACE)
+    _trace_end(tr_ptr, b, pid, TRACE)
 
 
 @triton.jit
@@ -773,8 +777,7 @@ def _finish_kernel(
     the threshold key ``T`` byte by byte and one scan."""
     b = tl.program_id(0)
     pid = b * 0
-    _stamp(tr_ptr, b, pid, 0, TRACE)
-    _stamp(tr_ptr, b, pid, 2, TRACE)
+    _trace_start(tr_ptr, b, pid, TRACE)
     n, hist_n, keep = _row_extent(len_ptr, b, N, HN, k, HAS_LEN)
     count = tl.minimum(n, k)
     if PDL:
@@ -818,8 +821,7 @@ def _finish_kernel(
     _stamp(tr_ptr, b, pid, 6, TRACE)
     _finish_row(out_v, out_i, cnt_ptr, b, count, k, MC)
     _clear_state(st, MC)
-    _stamp(tr_ptr, b, pid, 7, TRACE)
-    _stamp(tr_ptr, b, pid, 1, TRACE)
+    _trace_end(tr_ptr, b, pid, TRACE)
 
 
 @triton.jit
