@@ -22,6 +22,7 @@ from shadowradix import CacheConfig
 from shadowradix.request import Request
 
 from . import kernels, ops
+from .kernels import PoolRows
 from .model import LayerInput, compress_rows, forward
 from .pools import KVPools
 from .weights import ModelWeights
@@ -53,13 +54,27 @@ class StreamMeta:
         b = self.read_pages.shape[0]
         return paged.index_select(0, self.read_pages.flatten()).view(b, -1, width)
 
-    def entry_slots(self, entries: torch.Tensor) -> torch.Tensor:
-        """Pool slots of entry indices ``(B, k)``."""
-        if self.read_pages is None:
-            assert self.read_slots is not None
-            return torch.gather(self.read_slots, 1, entries)
-        spp = self.slots_per_page
-        return torch.gather(self.read_pages, 1, entries // spp) * spp + entries % spp
+    def rows(self, qrow: torch.Tensor | None = None) -> PoolRows:
+        """Every visible entry of each query row's request, read in place through the page
+        table (``page_size >= ratio``) or the slot table; ``qrow``: the batch row of each
+        query row (None: one query per batch row)."""
+        return entry_rows(self.read_pages, self.read_slots, self.visible, self.slots_per_page, qrow)
+
+
+def entry_rows(
+    read_pages: torch.Tensor | None,
+    read_slots: torch.Tensor | None,
+    visible: torch.Tensor,
+    slots_per_page: int,
+    qrow: torch.Tensor | None,
+) -> PoolRows:
+    """`PoolRows` of a graph step's stream: the page table or the slot table, and each query
+    row's visible prefix (``visible`` ``(N, G)``)."""
+    lengths = visible.sum(-1)
+    if read_pages is None:
+        assert read_slots is not None
+        return PoolRows(read_slots, lengths, qrow, 1, visible.shape[1])
+    return PoolRows(read_pages, lengths, qrow, slots_per_page, visible.shape[1])
 
 
 @dataclass(frozen=True)
@@ -211,7 +226,7 @@ class GraphKeys:
         cfg, m, i = self.cfg, self.meta, layer.index
         swa = self.pools.swa[i]
         swa[m.swa_new] = layer.kv.to(swa.dtype)
-        keys, mask = swa[m.window_slots], m.window_mask
+        mask, pool, extra = m.window_mask, None, None
         last = cfg.last_kv_source
         if m.late_window_mask is not None and last is not None and i > last:
             mask = m.late_window_mask
@@ -224,12 +239,13 @@ class GraphKeys:
                 self._compress(layer, comp, sm, self.pools.ring[i], self.pools.compressed[i])
             if cfg.is_sparse(ratio):
                 slots, vis = self._select(layer, sm)
-                entries = self.pools.compressed[source][slots]
+                extra = PoolRows(slots, vis.sum(-1))
             else:
-                entries, vis = self._dense(sm, self.pools.compressed[source]), sm.visible
-            keys = torch.cat((keys, entries), dim=1)
-            mask = torch.cat((mask, vis), dim=1)
-        return ops.sink_attention(layer.q, keys, mask, layer.weights.sink, cfg.scale)
+                extra = sm.rows(self._qrow())
+            pool = self.pools.compressed[source]
+        return kernels.sparse_attention(
+            layer.q, swa, m.window_slots, mask, layer.weights.sink, cfg.scale, pool, extra
+        )
 
     def _compress(self, layer, comp, sm: StreamMeta, ring, pool) -> None:
         rows = ops.compressor_rows(layer.x, comp, layer.positions).to(ring.dtype)  # (B, F)
@@ -275,20 +291,21 @@ class GraphKeys:
                 layer, idx.compressor, sm, self.pools.index_ring[i], self.pools.index_keys[i]
             )
         n = layer.x.shape[0]
-        keys = sm.all_entries(self.pools.index_keys[source])  # (B, G, di)
         q = (layer.x @ idx.w_q).view(n, cfg.index_heads, cfg.index_dim)
         q = ops.rope(q, layer.positions, cfg.rope_dim, cfg.rope_theta)
-        scores = self._scores(q, layer.x @ idx.w_weight, keys)
-        scores = scores.masked_fill(~sm.visible, float("-inf"))
-        values, chosen = ops.topk_lowest_index(scores, min(cfg.index_topk, scores.shape[1]))
-        self.selection[i] = (self._entry_slots(sm, chosen), torch.isfinite(values))
+        rows = sm.rows(self._qrow())
+        keys = self.pools.index_keys[source]
+        logits = kernels.index_logits(q, layer.x @ idx.w_weight, keys, rows)
+        k = min(cfg.index_topk, rows.num_rows)
+        values, chosen = ops.topk_lowest_index(logits, k, lengths=rows.lengths)
+        self.selection[i] = (rows.slots_of(chosen), torch.isfinite(values))
         return self.selection[i]
 
     # -- the layout of a step's rows: one per request here; `VerifyKeys` has T per request --
 
-    def _dense(self, sm, pool: torch.Tensor) -> torch.Tensor:
-        """Every entry ``(rows, G, width)`` each query row reads (dense compressed layers)."""
-        return sm.all_entries(pool)
+    def _qrow(self) -> torch.Tensor | None:
+        """The batch row of each query row (None: one query per batch row)."""
+        return None
 
     def _new_group_rows(self, rows: torch.Tensor, sm) -> torch.Tensor:
         """This step's compressor rows as the ``group_src == 1`` rows of each group."""
@@ -297,12 +314,6 @@ class GraphKeys:
     def _own_ring_rows(self, sm) -> torch.Tensor:
         """Ring rows of the ``group_src == 1`` rows of each group (after this step's store)."""
         return sm.ring_new[:, None].expand_as(sm.group_rows)
-
-    def _scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        return ops.index_scores(q, w, keys)
-
-    def _entry_slots(self, sm, chosen: torch.Tensor) -> torch.Tensor:
-        return sm.entry_slots(chosen)
 
 
 def _with_late_mask(meta, pools: KVPools):

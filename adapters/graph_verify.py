@@ -41,7 +41,9 @@ from .graph_decode import (
     _bucket,
     _page_lookup,
     _with_late_mask,
+    entry_rows,
 )
+from .kernels import PoolRows
 from .model import final_hidden, head_logits
 from .mtp import write_state
 from .pools import KVPools
@@ -99,26 +101,9 @@ class VerifyStreamMeta:
     visible: torch.Tensor  # (N, G)
     slots_per_page: int
 
-    def all_entries(self, pool: torch.Tensor) -> torch.Tensor:
-        """``(B, G, width)`` rows of every entry of each request (see `StreamMeta`)."""
-        width = pool.shape[1]
-        if self.read_pages is None:
-            assert self.read_slots is not None
-            b = self.read_slots.shape[0]
-            return pool.index_select(0, self.read_slots.flatten()).view(b, -1, width)
-        spp = self.slots_per_page
-        paged = pool[:-1].view(-1, spp * width)
-        b = self.read_pages.shape[0]
-        return paged.index_select(0, self.read_pages.flatten()).view(b, -1, width)
-
-    def entry_slots(self, entries: torch.Tensor, row_batch: torch.Tensor) -> torch.Tensor:
-        """Pool slots of entry indices ``(N, k)`` of each row."""
-        if self.read_pages is None:
-            assert self.read_slots is not None
-            return torch.gather(self.read_slots[row_batch], 1, entries)
-        spp = self.slots_per_page
-        pages = self.read_pages[row_batch]
-        return torch.gather(pages, 1, entries // spp) * spp + entries % spp
+    def rows(self, qrow: torch.Tensor | None = None) -> PoolRows:
+        """Every visible entry of each query row (see `StreamMeta.rows`)."""
+        return entry_rows(self.read_pages, self.read_slots, self.visible, self.slots_per_page, qrow)
 
 
 @dataclass(frozen=True)
@@ -214,24 +199,6 @@ def _stream_meta(cache, pools, s, buf, batch, context, pos, valid, page_s) -> Ve
     )
 
 
-def shared_index_scores(
-    q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t_len: int
-) -> torch.Tensor:
-    """`ops.index_scores` for ``T`` queries per request sharing that request's keys: q
-    ``(B*T, Hi, di)``, w ``(B*T, Hi)``, keys ``(B, E, di)`` -> ``(B*T, E)``; the keys are read
-    once per request, not once per query. Same precision policy as `ops.index_scores`."""
-    n, hi, di = q.shape
-    b, e = keys.shape[0], keys.shape[1]
-    if keys.dtype in (torch.bfloat16, torch.float16):
-        qb = q.to(keys.dtype).reshape(b, t_len * hi, di)
-        dots = torch.relu(torch.bmm(qb, keys.transpose(1, 2))).view(n, hi, e)
-        return torch.bmm(w.to(keys.dtype)[:, None, :], dots)[:, 0, :].float()
-    dt = ops.acc_dtype(q)
-    qb = q.to(dt).reshape(b, t_len * hi, di)
-    dots = torch.einsum("bxd,bed->bxe", qb, keys.to(dt)).reshape(n, hi, e)
-    return torch.einsum("nh,nhe->ne", w.to(dt), torch.relu(dots))
-
-
 class VerifyKeys(GraphKeys):
     """`KeySource` of one verify step over `VerifyMeta`: `GraphKeys` (V4.1 sharing and the
     tail-only mask included) with ``T`` query rows per request."""
@@ -240,20 +207,14 @@ class VerifyKeys(GraphKeys):
         super().__init__(weights, pools, meta)  # type: ignore[arg-type]
         self.t_len = t_len
 
-    def _dense(self, sm, pool: torch.Tensor) -> torch.Tensor:
-        return sm.all_entries(pool)[self.meta.row_batch]  # type: ignore[attr-defined]
+    def _qrow(self) -> torch.Tensor:
+        return self.meta.row_batch  # type: ignore[attr-defined]
 
     def _new_group_rows(self, rows: torch.Tensor, sm) -> torch.Tensor:
         return rows[sm.group_new]
 
     def _own_ring_rows(self, sm) -> torch.Tensor:
         return sm.ring_new[sm.group_new]
-
-    def _scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        return shared_index_scores(q, w, keys, self.t_len)
-
-    def _entry_slots(self, sm, chosen: torch.Tensor) -> torch.Tensor:
-        return sm.entry_slots(chosen, self.meta.row_batch)  # type: ignore[attr-defined]
 
     def _compress_fused_on_cpu(self, layer, comp, sm, ring, pool) -> None:
         """The CUDA path's layout on any device (tests): `kernels.compress_gathered` falls

@@ -113,23 +113,21 @@ def finish_entries(
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Lightning-indexer score ``sum_h w_h * relu(q_h . k)``: q ``(N, Hi, di)``, w ``(N, Hi)``,
-    keys ``(N, E, di)`` -> ``(N, E)``."""
-    # fp32 / fp64 keys: exact maths in that precision. 16-bit keys (the GPU path): both
-    # contractions are 16-bit matmuls with fp32 accumulation, as V4's FP8 indexer is low
-    # precision too; at 1M tokens an fp32 copy of the (N, Hi, E) products would cost more than
-    # the products themselves. Ties that rounding creates are broken by index, identically in
-    # every path of the same dtype.
-    if keys.dtype in (torch.bfloat16, torch.float16):
-        dots = torch.relu(torch.einsum("nhd,ned->nhe", q.to(keys.dtype), keys))
-        return torch.bmm(w.to(keys.dtype)[:, None, :], dots)[:, 0, :].float()
+    keys ``(N, E, di)`` -> ``(N, E)``, computed in fp32 (fp64 for fp64 inputs), as the fused
+    indexer kernel accumulates (`adapters.kernels.index_logits`)."""
     dt = acc_dtype(q)
     dots = torch.einsum("nhd,ned->nhe", q.to(dt), keys.to(dt))
     return torch.einsum("nh,nhe->ne", w.to(dt), torch.relu(dots))
 
 
-def topk_lowest_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_lowest_index(
+    scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` per row, ties broken by the lowest index; returns (values, indices), values
     descending. Every implementation must select the same set: ReLU scores are often equal.
+    ``lengths`` (optional, ``(B,)``): entries past a row's length are -inf already; Lightning
+    TopK then reads only the valid prefix (the selected set and the -inf tail's validity are
+    the same either way; the indices of -inf picks may differ and are never read).
 
     fp64 rows use a stable sort. Other dtypes compare as fp32 through one int64 key per entry,
     ``(order-preserving score bits) << 32 | (2**32 - 1 - index)``, so a single radix-select
@@ -141,7 +139,7 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
         from . import kernels
 
         if kernels.TRITON_AVAILABLE:  # Lightning TopK: same set, same order, one radix select
-            values, indices, _ = kernels.topk(scores.float().contiguous(), k, sorted=True)
+            values, indices, _ = kernels.topk(scores.float().contiguous(), k, lengths, sorted=True)
             return values, indices
     canonical = scores.float() + 0.0  # -0.0 becomes +0.0: equal scores, equal keys
     bits = canonical.view(torch.int32).to(torch.int64) & 0xFFFFFFFF

@@ -17,9 +17,11 @@ import torch
 from shadowradix import Allocation, ReadPlan, StreamWrites
 
 from . import kernels, ops
+from .kernels import PoolRows
 from .model import LayerInput, compress_rows, forward, forward_tail_only
 from .model_config import ModelConfig
 from .pools import KVPools
+from .selection import select_entries
 from .weights import Compressor, ModelWeights
 
 if TYPE_CHECKING:
@@ -45,7 +47,7 @@ class StreamStep:
     entry_slots: torch.Tensor  # (E,)
     entry_slots_np: np.ndarray  # the same on the host (HiSparse plans with it)
     read_slots: torch.Tensor  # (B, G) every complete entry of each request at its end
-    visible: torch.Tensor  # (N, G) entry g is complete at the token's position
+    visible_len: torch.Tensor  # (N,) entries complete at the token's position (a prefix)
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class PagedStep:
     def restrict(self, rows: torch.Tensor) -> PagedStep:
         """The step's per-query tensors for the queries ``rows`` only (tail-only prefill). The
         write-side tensors of the streams stay: layers after the last KV source write none."""
-        streams = {r: replace(s, visible=s.visible[rows]) for r, s in self.streams.items()}
+        streams = {r: replace(s, visible_len=s.visible_len[rows]) for r, s in self.streams.items()}
         return PagedStep(
             tokens=self.tokens[rows],
             positions=self.positions[rows],
@@ -128,7 +130,6 @@ def _stream_step(
     read = np.zeros((b, g), I64)
     for i, e in enumerate(entries):
         read[i, : len(e)] = e
-    visible = np.arange(g, dtype=I64)[None, :] < ((pos + 1) // r)[:, None]
     return dict(
         ring_dst=s.ring_rows,
         ring_src=offsets[s.ring_request] + s.ring_positions - starts[s.ring_request],
@@ -137,7 +138,7 @@ def _stream_step(
         entry_groups=s.entry_groups,
         entry_slots=s.entry_slots,
         read_slots=read,
-        visible=visible,
+        visible_len=(pos + 1) // r,
     )
 
 
@@ -159,12 +160,8 @@ def build_step(
     streams = {}
     for s in arrays.streams:
         parts = _stream_step(s, model, plans, alloc, req, pos)
-        visible = parts.pop("visible")
         streams[s.ratio] = StreamStep(
-            s.ratio,
-            **{k: t(v) for k, v in parts.items()},
-            entry_slots_np=parts["entry_slots"],
-            visible=t(visible, torch.bool),
+            s.ratio, **{k: t(v) for k, v in parts.items()}, entry_slots_np=parts["entry_slots"]
         )
     return PagedStep(
         tokens=t(tokens),
@@ -204,12 +201,11 @@ class PagedKeys:
         cfg, st, i = self.model, self.step, layer.index
         swa = self.pools.swa[i]
         swa[st.swa_slots] = layer.kv.to(swa.dtype)
-        keys, mask = swa[st.window_slots], self._window_mask(i)
-        if layer.weights.ratio:
-            entries, visible = self._entries(layer)
-            keys = torch.cat((keys, entries), dim=1)
-            mask = torch.cat((mask, visible), dim=1)
-        return ops.sink_attention(layer.q, keys, mask, layer.weights.sink, cfg.scale)
+        extra_kv, extra = self._extra(layer) if layer.weights.ratio else (None, None)
+        return kernels.sparse_attention(
+            layer.q, swa, st.window_slots, self._window_mask(i), layer.weights.sink, cfg.scale,
+            extra_kv, extra,
+        )  # fmt: skip
 
     def _window_mask(self, layer: int) -> torch.Tensor:
         st, valid, last = self.step, self.pools.late_swa_valid, self.model.last_kv_source
@@ -219,8 +215,13 @@ class PagedKeys:
             self._late_mask = st.window_mask & valid[st.window_slots]
         return self._late_mask
 
-    def _entries(self, layer: LayerInput) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compressed entries ``(N, K, d)`` the layer's queries read, and their mask: every
+    def _entry_rows(self, ss: StreamStep) -> PoolRows:
+        """Every complete entry of each query's request, read through the request's slot row:
+        the queries of one request share it, each up to its own causal length."""
+        return PoolRows(ss.read_slots, ss.visible_len, self.step.token_request)
+
+    def _extra(self, layer: LayerInput) -> tuple[torch.Tensor, PoolRows]:
+        """The pool of compressed entries the layer's queries read, and which rows: every
         complete entry (dense ratios) or the top-k selection (C4), from the KV source's pool,
         which a source layer first extends with the step's completed groups."""
         cfg, i, ratio = self.model, layer.index, layer.weights.ratio
@@ -232,16 +233,17 @@ class PagedKeys:
             assert comp is not None
             pool = None if offloaded else self.pools.compressed[i]
             new = self._compress(layer, comp, ss, self.pools.ring[i], pool)
-        slots = ss.read_slots[self.step.token_request]  # (N, G): every complete entry
         if not cfg.is_sparse(ratio):
-            return self.pools.compressed[source][slots], ss.visible
-        slots, chosen_mask = self._select(layer, ss, slots)
+            return self.pools.compressed[source], self._entry_rows(ss)
+        slots, chosen_mask = self._select(layer, ss)
+        selected = PoolRows(slots, chosen_mask.sum(-1))
         if self.offload is not None and offloaded:
             if new is None:  # a consumer: reads the source's buffer, writes nothing
-                return self.offload.read(source, slots, chosen_mask), chosen_mask
-            chosen = self.offload.exchange(i, ss.entry_slots_np, new, slots, chosen_mask)
-            return chosen, chosen_mask
-        return self.pools.compressed[source][slots], chosen_mask
+                chosen = self.offload.read(source, slots, chosen_mask)
+            else:
+                chosen = self.offload.exchange(i, ss.entry_slots_np, new, slots, chosen_mask)
+            return _as_pool(chosen, selected)
+        return self.pools.compressed[source], selected
 
     def _compress(
         self,
@@ -288,7 +290,7 @@ class PagedKeys:
             norm=comp.norm, rope_dim=cfg.rope_dim, theta=cfg.rope_theta, eps=cfg.norm_eps,
         )  # fmt: skip
 
-    def _select(self, layer: LayerInput, ss: StreamStep, slots: torch.Tensor):
+    def _select(self, layer: LayerInput, ss: StreamStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots of the top-k entries per token, and which of them are real: the layer's own
         indexer over its KV source's keys (a source first stores the step's keys), published
         for reuse; or the selection of its index source."""
@@ -303,14 +305,21 @@ class PagedKeys:
                 layer, idx.compressor, ss, self.pools.index_ring[i], self.pools.index_keys[i]
             )
         n = layer.x.shape[0]
-        keys = self.pools.index_keys[source][slots]
         q = (layer.x @ idx.w_q).view(n, cfg.index_heads, cfg.index_dim)
         q = ops.rope(q, layer.positions, cfg.rope_dim, cfg.rope_theta)
-        scores = ops.index_scores(q, layer.x @ idx.w_weight, keys)
-        scores = scores.masked_fill(~ss.visible, float("-inf"))
-        values, indices = ops.topk_lowest_index(scores, min(cfg.index_topk, scores.shape[1]))
-        self.selection[i] = (torch.gather(slots, 1, indices), torch.isfinite(values))
+        rows = self._entry_rows(ss)
+        self.selection[i] = select_entries(
+            q, layer.x @ idx.w_weight, self.pools.index_keys[source], rows, cfg.index_topk
+        )
         return self.selection[i]
+
+
+def _as_pool(chosen: torch.Tensor, selected: PoolRows) -> tuple[torch.Tensor, PoolRows]:
+    """Gathered entries ``(N, k, d)`` (the HiSparse device buffer's) as a pool of ``N * k``
+    rows that query ``n`` reads at rows ``[n * k, n * k + count)``."""
+    n, k, d = chosen.shape
+    table = torch.arange(n * k, device=chosen.device).view(n, k)
+    return chosen.reshape(n * k, d), PoolRows(table, selected.lengths)
 
 
 @torch.no_grad()

@@ -16,25 +16,17 @@ outputs within one bf16 step).
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib.util
-import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted import interpreted_modules, run_check
 
 import adapters.kernels as kernels
 from adapters.kernels import reference as ref
 
-ROOT = Path(__file__).resolve().parents[1]
-KERNEL_DIR = ROOT / "adapters" / "kernels"
 ENV_AT_IMPORT = os.environ.get("TRITON_INTERPRET")
-NO_TRITON = "triton is not installed: the Triton kernels are not tested (pip install triton)"
 
 
 # ----------------------------------------------------------------------------- references
@@ -248,102 +240,17 @@ def test_package_topk_stays_the_function():
 # ------------------------------------------------------------- Triton, under the interpreter
 
 
-def _triton_state() -> str:
-    if importlib.util.find_spec("triton") is None:
-        return "missing"
-    if "triton" not in sys.modules:
-        return "fresh"
-    import triton.language as tl
-
-    return "interpreted" if type(tl.zeros).__name__ == "InterpretedFunction" else "compiled"
-
-
-@contextlib.contextmanager
-def _interpreting():
-    """TRITON_INTERPRET=1 for the duration (Triton reads it at import, at decoration, and in
-    modules it imports lazily), then restored."""
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:  # pragma: no cover - only when the caller had set it
-            os.environ["TRITON_INTERPRET"] = before
-
-
-def _load_interpreted():
-    """Private copies of the kernel modules, loaded with the interpreter on (Triton too, if it
-    was not imported yet)."""
-    with _interpreting():
-        import triton  # noqa: F401
-
-        try:  # imported lazily by triton.runtime.jit; it asserts interpreter mode at import
-            import triton.experimental.gluon  # noqa: F401
-        except ImportError:  # pragma: no cover - older Triton
-            pass
-        mods = []
-        for name in ("compressor", "topk"):
-            spec = importlib.util.spec_from_file_location(
-                f"adapters.kernels._interpreted_{name}", KERNEL_DIR / f"{name}.py"
-            )
-            assert spec is not None and spec.loader is not None
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-            mods.append(mod)
-        return tuple(mods)
+KERNELS = ("compressor", "topk")
 
 
 @pytest.fixture(scope="module")
 def interp():
     """(compressor, topk) interpreted modules, or None: run the checks in a child process."""
-    state = _triton_state()
-    if state == "missing":
-        pytest.skip(NO_TRITON)
-    if state in ("fresh", "interpreted") and not torch.cuda.is_available():
-        return _load_interpreted()
-    return None  # pragma: no cover - a CUDA machine, or Triton already compiled-mode
-
-
-_CHILD = """
-import importlib.util, json, sys, traceback
-sys.path.insert(0, {root!r})
-spec = importlib.util.spec_from_file_location("kernel_tests", {path!r})
-t = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(t)
-mods = t._load_interpreted()
-out = {{}}
-for name in t.INTERP_CHECKS:
-    try:
-        getattr(t, name)(*mods)
-        out[name] = "ok"
-    except Exception:
-        out[name] = traceback.format_exc()
-print("@@RESULTS@@" + json.dumps(out))
-"""
-
-
-@functools.lru_cache(maxsize=1)
-def _child_results() -> dict:  # pragma: no cover - exercised on CUDA machines only
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    code = _CHILD.format(root=str(ROOT), path=str(Path(__file__).resolve()))
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("@@RESULTS@@"):
-            return json.loads(line[len("@@RESULTS@@") :])
-    raise AssertionError(f"interpreter child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return interpreted_modules(KERNELS)
 
 
 def _run(interp, check) -> None:
-    if interp is not None:
-        with _interpreting():
-            check(*interp)
-        return
-    result = _child_results()[check.__name__]  # pragma: no cover - CUDA machines
-    assert result == "ok", result  # pragma: no cover
+    run_check(interp, check, KERNELS, INTERP_CHECKS, __file__)
 
 
 def _close(got, want, bf16=False):

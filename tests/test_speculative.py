@@ -24,8 +24,8 @@ import pytest
 import torch
 from small_models import SMALL
 
-from adapters import ops
-from adapters.graph_verify import GraphVerifier, VerifyKeys, shared_index_scores
+from adapters import kernels, ops
+from adapters.graph_verify import GraphVerifier, VerifyKeys
 from adapters.model import final_hidden
 from adapters.model_config import preset
 from adapters.mtp import MTPDrafter, reference_mtp_draft, reference_mtp_logits, resume_hidden
@@ -533,17 +533,20 @@ def test_misuse_of_the_building_blocks_raises_clearly() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_shared_index_scores_equal_per_query_scores(dtype) -> None:
-    """The verify step scores each request's keys once for its T queries: the same values as
-    `ops.index_scores` over per-query copies of the keys, in both precision policies."""
+def test_shared_rows_index_logits_equal_per_query_scores(dtype) -> None:
+    """The verify step scores each request's keys in place for its T queries (``qrow`` maps a
+    query row to its request's page row): the same values as `ops.index_scores` over
+    per-query copies of the keys."""
     gen = torch.Generator().manual_seed(3)
     b, t_len, hi, di, e = 3, 4, 2, 16, 10
     q = torch.randn(b * t_len, hi, di, generator=gen).to(dtype)
     w = torch.randn(b * t_len, hi, generator=gen).to(dtype)
-    keys = torch.randn(b, e, di, generator=gen).to(dtype)
-    per_query = keys.repeat_interleave(t_len, dim=0)
-    want = ops.index_scores(q, w, per_query)
-    torch.testing.assert_close(shared_index_scores(q, w, keys, t_len), want, rtol=1e-6, atol=1e-5)
+    pool = torch.randn(b * e + 1, di, generator=gen).to(dtype)
+    table = torch.randperm(b * e, generator=gen).view(b, e)
+    qrow = torch.arange(b).repeat_interleave(t_len)
+    rows = kernels.PoolRows(table, torch.full((b * t_len,), e), qrow)
+    want = ops.index_scores(q, w, pool[table].repeat_interleave(t_len, dim=0))
+    torch.testing.assert_close(kernels.index_logits(q, w, pool, rows), want, rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("graph", [False, True])

@@ -3,6 +3,10 @@
 * `compress` / `compress_gathered`: the Flash Compressor (group softmax pooling of the
   compressor's per-token rows, optional RMSNorm + RoPE epilogue), prefill and decode layouts.
 * `topk`: Lightning TopK (exact radix-select top-k, ties to the lowest index).
+* `index_logits`: the fused Lightning indexer (``sum_h w_h relu(q_h . k)`` over pool rows read
+  in place through a `PoolRows` table, no ``(N, H, G)`` intermediate).
+* `sparse_attention`: one attention over a query's window, its extra rows (C4 selection or every
+  C128 entry, through a `PoolRows` table) and the sink.
 
 CUDA tensors go to the Triton kernels (`.compressor`, `.topk`) when Triton is installed; anything
 else goes to the PyTorch references (`.reference`), which define the results. Triton is imported
@@ -18,15 +22,23 @@ import types
 
 import torch
 
+from .attention_reference import sparse_attention_reference
+from .indexer_reference import index_logits_reference
 from .reference import (
     compress_gathered_reference,
     compress_reference,
     naive_torch_chain,
     topk_reference,
 )
+from .rows import PoolRows
 
 __all__ = [
     "TRITON_AVAILABLE",
+    "PoolRows",
+    "index_logits",
+    "index_logits_reference",
+    "sparse_attention",
+    "sparse_attention_reference",
     "compress",
     "compress_gathered",
     "compress_gathered_reference",
@@ -125,3 +137,44 @@ def topk(
 
         return lightning_topk(scores, k, lengths, sorted=sorted)
     return topk_reference(scores, k, lengths, sorted=sorted)
+
+
+def index_logits(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    keys: torch.Tensor,
+    rows: PoolRows,
+    *,
+    key_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(N, G)`` indexer logits of ``q`` ``(N, H, d)`` (head weights ``w`` ``(N, H)``) over
+    the pool ``keys`` read through ``rows``, -inf past each query's length; see
+    `indexer_reference.index_logits_reference`."""
+    if use_triton(q) and q.dtype != torch.float64:  # pragma: no cover - needs a GPU
+        from .indexer import flash_index_logits
+
+        return flash_index_logits(q, w, keys, rows, key_scale=key_scale)
+    return index_logits_reference(q, w, keys, rows, key_scale=key_scale)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    window_kv: torch.Tensor,
+    window_slots: torch.Tensor,
+    window_mask: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    extra_kv: torch.Tensor | None = None,
+    extra: PoolRows | None = None,
+) -> torch.Tensor:
+    """``(N, H, d)`` attention of ``q`` over its window rows, its ``extra`` rows and the sink,
+    keys read in place from their pools; see `attention_reference.sparse_attention_reference`."""
+    if use_triton(q) and q.dtype != torch.float64:  # pragma: no cover - needs a GPU
+        from .attention import flash_sparse_attention
+
+        return flash_sparse_attention(
+            q, window_kv, window_slots, window_mask, sink, scale, extra_kv, extra
+        )
+    return sparse_attention_reference(
+        q, window_kv, window_slots, window_mask, sink, scale, extra_kv, extra
+    )

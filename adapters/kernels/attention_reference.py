@@ -1,0 +1,56 @@
+"""The PyTorch reference of the sparse attention kernel (`adapters.kernels.sparse_attention`).
+
+One query attends over two key sets read from their pools in place, plus a learned sink:
+
+* the window: ``window_kv[window_slots[n, j]]`` where ``window_mask[n, j]`` (any mask);
+* the extra rows (C4's selected entries, or every visible C128 entry): a `PoolRows` over
+  ``extra_kv``, rows ``[0, lengths[n])``.
+
+The latent is both key and value (DeepSeek-V4's shared KV)::
+
+    logit = scale * q[n, h] . k        p = exp(logit - m) / (sum exp(logit - m) + exp(sink_h - m))
+    out[n, h] = sum_k p * k
+
+fp64 computes in fp64, everything else in fp32; the output has ``q``'s dtype. The reference
+gathers the keys of a tile of queries at a time and runs the model's `ops.sink_attention` on
+``cat(window, extra)``, so its memory is bounded by the tile and its arithmetic is the one every
+forward of the model used before (bit for bit in fp64).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from .rows import PoolRows
+
+
+def sparse_attention_reference(
+    q: torch.Tensor,
+    window_kv: torch.Tensor,
+    window_slots: torch.Tensor,
+    window_mask: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    extra_kv: torch.Tensor | None = None,
+    extra: PoolRows | None = None,
+    *,
+    tile_bytes: int = 1 << 28,
+) -> torch.Tensor:
+    """``(N, H, d)`` attention of ``q`` over its window and extra rows (module docstring)."""
+    if (extra_kv is None) != (extra is None):
+        raise ValueError("extra_kv and extra go together")
+    n, _, d = q.shape
+    width = window_slots.shape[1] + (extra.num_rows if extra is not None else 0)
+    elem = 8 if q.dtype == torch.float64 else 4
+    step = max(1, tile_bytes // max(1, width * d * elem))
+    out = torch.empty_like(q)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        keys, mask = window_kv[window_slots[a:b]], window_mask[a:b]
+        if extra is not None and extra_kv is not None:
+            part = extra.select(slice(a, b))
+            keys = torch.cat((keys, extra_kv[part.slots()]), dim=1)
+            mask = torch.cat((mask, part.mask()), dim=1)
+        out[a:b] = ops.sink_attention(q[a:b], keys, mask, sink, scale)
+    return out

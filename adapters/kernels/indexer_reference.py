@@ -1,0 +1,57 @@
+"""The PyTorch reference of the fused indexer (`adapters.kernels.index_logits`).
+
+Lightning-indexer logits of queries over pool rows read through a `PoolRows`::
+
+    logits[n, g] = sum_h w[n, h] * relu(q[n, h] . key(slot(n, g)))   for g < lengths[n]
+                 = -inf                                               otherwise
+
+fp64 inputs compute in fp64, everything else in fp32 (16-bit and FP8 keys are upcast: the
+Triton kernel accumulates in fp32 too). FP8 keys (``torch.float8_e4m3fn``) come with one fp32
+scale per pool row, ``key = fp8 * scale``. The reference gathers the keys of a tile of queries
+at a time (``tile_bytes`` of gathered keys), so its memory is bounded by the tile, never
+``N x G x d``; the per-query arithmetic is the model's `ops.index_scores` (bit for bit in fp64).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .rows import PoolRows
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def dequantize_keys(keys: torch.Tensor, key_scale: torch.Tensor | None, dt: torch.dtype):
+    """Pool rows in ``dt``: FP8 rows times their scale, anything else cast."""
+    if keys.dtype in FP8_DTYPES:
+        if key_scale is None:
+            raise ValueError("FP8 keys need key_scale (one fp32 scale per pool row)")
+        return keys.to(dt) * key_scale.to(dt)[..., None]
+    return keys.to(dt)
+
+
+def index_logits_reference(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    keys: torch.Tensor,
+    rows: PoolRows,
+    *,
+    key_scale: torch.Tensor | None = None,
+    tile_bytes: int = 1 << 28,
+) -> torch.Tensor:
+    """``(N, G)`` logits (fp32, fp64 for fp64 ``q``) of ``q`` ``(N, H, d)`` with head weights
+    ``w`` ``(N, H)`` over ``keys`` ``(S, d)`` read through ``rows``; -inf past each length."""
+    n, _, d = q.shape
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    g = rows.num_rows
+    out = torch.full((n, g), float("-inf"), dtype=dt, device=q.device)
+    step = max(1, tile_bytes // max(1, g * d * torch.finfo(dt).bits // 8))
+    for a in range(0, n, step):
+        part = rows.select(slice(a, a + step))
+        slots = part.slots()
+        scale = None if key_scale is None else key_scale[slots]
+        k = dequantize_keys(keys[slots], scale, dt)  # (t, G, d)
+        dots = torch.einsum("nhd,ned->nhe", q[a : a + step].to(dt), k)
+        logits = torch.einsum("nh,nhe->ne", w[a : a + step].to(dt), torch.relu(dots))
+        out[a : a + step] = logits.masked_fill(~part.mask(), float("-inf"))
+    return out

@@ -1,0 +1,49 @@
+"""Top-k selection of compressed entries (the C4 indexer), in query tiles of bounded memory.
+
+The indexer's logits of one query cover every visible entry of its request, so a step's logits
+are ``N x G``: at a 1M-token context a 8K-token prefill chunk would need 8.6 GB of them. This
+module scores a tile of queries at a time (`LOGITS_TILE_BYTES` of fp32 logits), selects each
+tile's top-k right away and keeps only the selection, ``(N, k)`` slots and their validity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kernels, ops
+from .kernels import PoolRows
+
+#: fp32 logits alive at once while selecting (the memory planner counts them).
+LOGITS_TILE_BYTES = 1 << 30
+
+
+def logits_tile_rows(num_rows: int, tile_bytes: int = LOGITS_TILE_BYTES) -> int:
+    """Queries per tile when each scores ``num_rows`` entries."""
+    return max(1, tile_bytes // (4 * max(1, num_rows)))
+
+
+def select_entries(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    keys: torch.Tensor,
+    rows: PoolRows,
+    topk: int,
+    *,
+    key_scale: torch.Tensor | None = None,
+    tile_bytes: int = LOGITS_TILE_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool slots ``(N, k)`` of the ``k = min(topk, G)`` best-scoring entries of each query
+    (ties to the lowest entry index, value descending) and their validity ``(N, k)`` (false
+    past the query's visible entries: a valid prefix)."""
+    n, k = q.shape[0], min(topk, rows.num_rows)
+    slots = torch.zeros((n, k), dtype=torch.long, device=q.device)
+    valid = torch.zeros((n, k), dtype=torch.bool, device=q.device)
+    step = logits_tile_rows(rows.num_rows, tile_bytes)
+    for a in range(0, n, step):
+        part = rows.select(slice(a, a + step))
+        logits = kernels.index_logits(q[a : a + step], w[a : a + step], keys, part,
+                                      key_scale=key_scale)  # fmt: skip
+        values, indices = ops.topk_lowest_index(logits, k, lengths=part.lengths)
+        slots[a : a + step] = part.slots_of(indices)
+        valid[a : a + step] = torch.isfinite(values)
+    return slots, valid

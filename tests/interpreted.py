@@ -1,0 +1,148 @@
+"""Running Triton kernels under Triton's CPU interpreter, for any test module.
+
+The interpreter must be on (``TRITON_INTERPRET=1``) before Triton is first imported and before
+the ``@triton.jit`` decorators run. On a machine without CUDA where Triton is not imported yet
+(or was imported interpreted), `load_interpreted` sets the variable, imports Triton, loads
+private copies of the named kernel modules and restores the variable (so the kernel lines count
+for coverage). Otherwise (a CUDA machine, or Triton already imported for real) `run_check` runs
+every check of the test module in one child process with the interpreter on. Without Triton the
+checks are skipped (`NO_TRITON`).
+
+A test module lists its checks (functions taking the interpreted modules) and runs each one
+through ``run_check(mods, check, checks, __file__)`` with ``mods = interpreted_modules(names)``
+from a module-scoped fixture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_DIR = ROOT / "adapters" / "kernels"
+NO_TRITON = "triton is not installed: the Triton kernels are not tested (pip install triton)"
+
+
+def triton_state() -> str:
+    """``missing``, ``fresh`` (not imported yet), ``interpreted`` or ``compiled``."""
+    if importlib.util.find_spec("triton") is None:
+        return "missing"
+    if "triton" not in sys.modules:
+        return "fresh"
+    import triton.language as tl
+
+    return "interpreted" if type(tl.zeros).__name__ == "InterpretedFunction" else "compiled"
+
+
+@contextlib.contextmanager
+def interpreting() -> Iterator[None]:
+    """TRITON_INTERPRET=1 for the duration (Triton reads it at import, at decoration, and in
+    modules it imports lazily), then restored."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:  # pragma: no cover - only when the caller had set it
+            os.environ["TRITON_INTERPRET"] = before
+
+
+def load_interpreted(names: tuple[str, ...]) -> tuple[types.ModuleType, ...]:
+    """Private copies of ``adapters/kernels/<name>.py``, loaded with the interpreter on (Triton
+    too, if it was not imported yet), named ``adapters.kernels._interpreted_<name>``."""
+    with interpreting():
+        import triton  # noqa: F401
+
+        try:  # imported lazily by triton.runtime.jit; it asserts interpreter mode at import
+            import triton.experimental.gluon  # noqa: F401
+        except ImportError:  # pragma: no cover - older Triton
+            pass
+        mods = []
+        for name in names:
+            spec = importlib.util.spec_from_file_location(
+                f"adapters.kernels._interpreted_{name}", KERNEL_DIR / f"{name}.py"
+            )
+            assert spec is not None and spec.loader is not None
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            mods.append(mod)
+        return tuple(mods)
+
+
+def interpreted_modules(names: tuple[str, ...]) -> tuple[types.ModuleType, ...] | None:
+    """The interpreted modules, or None: the checks then run in a child process. Skips the
+    test without Triton."""
+    state = triton_state()
+    if state == "missing":
+        pytest.skip(NO_TRITON)
+    if state in ("fresh", "interpreted") and not torch.cuda.is_available():
+        return load_interpreted(names)
+    return None  # pragma: no cover - a CUDA machine, or Triton already compiled-mode
+
+
+_CHILD = """
+import importlib.util, json, sys, traceback
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {tests!r})
+from interpreted import load_interpreted
+spec = importlib.util.spec_from_file_location("kernel_tests", {path!r})
+t = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(t)
+mods = load_interpreted(tuple({names!r}))
+out = {{}}
+for name in {checks!r}:
+    try:
+        getattr(t, name)(*mods)
+        out[name] = "ok"
+    except Exception:
+        out[name] = traceback.format_exc()
+print("@@RESULTS@@" + json.dumps(out))
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _child_results(  # pragma: no cover - exercised on CUDA machines only
+    path: str, names: tuple[str, ...], checks: tuple[str, ...]
+) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    code = _CHILD.format(
+        root=str(ROOT), tests=str(ROOT / "tests"), path=path, names=list(names), checks=list(checks)
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("@@RESULTS@@"):
+            return json.loads(line[len("@@RESULTS@@") :])
+    raise AssertionError(f"interpreter child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def run_check(
+    mods: tuple[types.ModuleType, ...] | None,
+    check: Callable[..., None],
+    names: tuple[str, ...],
+    checks: list[str],
+    test_file: str,
+) -> None:
+    """Runs ``check(*mods)`` under the interpreter, or its result from the child process that
+    runs all of ``checks`` of ``test_file`` over the interpreted ``names``."""
+    if mods is not None:
+        with interpreting():
+            check(*mods)
+        return
+    path = str(Path(test_file).resolve())  # pragma: no cover - CUDA machines
+    result = _child_results(path, names, tuple(checks))[check.__name__]  # pragma: no cover
+    assert result == "ok", result  # pragma: no cover
