@@ -30,6 +30,7 @@ from shadowradix.request import Request
 
 from .device import resolve_device
 from .graph_decode import GraphDecoder
+from .memory_plan import MemoryBudgetError, free_device_memory, step_memory, visible_entries
 from .model_config import ModelConfig
 from .mtp import resume_hidden, run_step_mtp
 from .paged import build_step, run_step, run_tail_only_step
@@ -156,7 +157,13 @@ class Runner:
     `MTPDraft`). Needs ``CacheConfig(speculative=True)`` with ``k + 1 <= max_draft_len``, an
     SWA pool that holds ``k + 1`` tokens plus the window, greedy requests only, and no HiSparse
     (`ValueError` otherwise). With ``graph_decode`` the verify
-    steps run through `GraphVerifier`."""
+    steps run through `GraphVerifier`.
+
+    ``memory_budget``: transient device bytes a forward step may use beyond the pools and the
+    weights (`memory_plan.StepMemory`); every prefill step is sized to it. Default: on CUDA,
+    85 % of the memory free once pools, weights and graph buffers are allocated; elsewhere no
+    budget. A request whose one-token step would not fit is refused at `submit`
+    (`MemoryBudgetError`, nothing queued)."""
 
     def __init__(
         self,
@@ -172,6 +179,7 @@ class Runner:
         tail_only: bool = False,
         speculative_tokens: int | None = None,
         draft: DraftSource | None = None,
+        memory_budget: int | None = None,
     ) -> None:
         self.device = resolve_device(device)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -236,6 +244,8 @@ class Runner:
             if draft is not None
             else None
         )
+        self.memory = step_memory(model, dtype)
+        self.memory_budget = _memory_budget(memory_budget, self.device)
         self._step_hidden: torch.Tensor | None = None
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
@@ -291,7 +301,25 @@ class Runner:
                 f"exceeds the full pool ({self.cache.config.full_capacity} tokens): "
                 "it could never run"
             )
+        self._check_memory(total)
         return tokens
+
+    def _check_memory(self, total: int) -> None:
+        if self.memory_budget is None:
+            return
+        need = self.memory.peak(1 + self.spec_tokens, visible_entries(self.model, total))
+        if need > self.memory_budget:
+            raise MemoryBudgetError(
+                f"a {total}-token request needs {need / 2**30:.2f} GiB of step memory for one "
+                f"token; the runner's budget is {self.memory_budget / 2**30:.2f} GiB "
+                "(raise memory_budget or free device memory)"
+            )
+
+    def _memory_cap(self, entries: int) -> int:
+        """Tokens a prefill step over requests with ``entries`` visible entries may hold."""
+        if self.memory_budget is None:
+            return self.chunk_tokens
+        return self.memory.max_tokens(self.memory_budget, entries)
 
     @property
     def num_pending(self) -> int:
@@ -517,11 +545,14 @@ class Runner:
 
     def _prefill(self) -> list[GenerationResult]:
         budget, seqs, chunks = self.chunk_tokens - self._replay(), [], []
-        pages_left = self._device_pages
+        pages_left, entries = self._device_pages, 0
         for seq in self._running:
             if seq.decoding or seq.replay_at is not None or budget == 0:
                 continue
-            chunk = seq.req.prompt_remaining[: self._fit_tokens(seq, budget, pages_left)].tolist()
+            entries += visible_entries(self.model, len(seq.tokens))
+            taken = self.chunk_tokens - budget
+            want = min(budget, max(0, self._memory_cap(entries) - taken))
+            chunk = seq.req.prompt_remaining[: self._fit_tokens(seq, want, pages_left)].tolist()
             if not chunk:
                 break
             budget -= len(chunk)
@@ -674,6 +705,15 @@ class Runner:
         """Results of `submit`ted requests that finished inside a `generate` call."""
         out, self._unclaimed = self._unclaimed, []
         return out
+
+
+def _memory_budget(budget: int | None, device: torch.device) -> int | None:
+    if budget is not None:
+        if budget < 1:
+            raise ValueError("memory_budget must be a positive number of bytes")
+        return budget
+    free = free_device_memory(device)
+    return None if free is None else int(0.85 * free)  # pragma: no cover - needs a GPU
 
 
 def _check_tail_only(model: ModelConfig, tail_only: bool) -> bool:

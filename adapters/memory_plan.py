@@ -1,0 +1,80 @@
+"""How much device memory a forward step needs beyond the pools and the weights.
+
+The pools and the weights are allocated once; what a prefill step adds is transient: its
+activations (per token of the step), the indexer's logits tiles and the top-k scratch (bounded
+by `selection.LOGITS_TILE_BYTES`, whatever the context), and the step's entry tables (int64
+per visible compressed entry of each request in the step). `StepMemory` models that peak; the
+runner sizes every prefill step so the peak stays inside its budget and refuses, before
+anything is allocated, a request whose one-token step would not fit (`MemoryBudgetError`).
+
+The per-token figure counts the tensors alive at a layer's widest point (the residual streams
+and their fp32 norms, the queries and their fp32 RoPE temporaries, the attention output and
+its inverse RoPE, the compressor rows, the MLP), with a safety factor for the allocator's
+rounding and fragmentation; `bench/long_context.py` prints it next to the measured peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shadowradix import InvalidRequestError
+
+from .model_config import ModelConfig
+from .selection import LOGITS_TILE_BYTES
+
+#: allocator rounding, fragmentation and the temporaries the model does not name
+SAFETY = 1.5
+
+
+class MemoryBudgetError(InvalidRequestError):
+    """A request (or a step) needs more transient device memory than the runner's budget."""
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Transient bytes of one forward step: ``fixed + per_token * tokens + per_entry *
+    entries`` (``entries``: the visible compressed entries of the step's requests, summed)."""
+
+    per_token: int
+    per_entry: int
+    fixed: int
+
+    def peak(self, tokens: int, entries: int) -> int:
+        return self.fixed + self.per_token * tokens + self.per_entry * entries
+
+    def max_tokens(self, budget: int, entries: int) -> int:
+        """The most tokens a step over requests with ``entries`` visible entries may hold
+        within ``budget`` bytes (0: not even one)."""
+        room = budget - self.fixed - self.per_entry * entries
+        return max(0, room // self.per_token)
+
+
+def step_memory(model: ModelConfig, dtype: torch.dtype) -> StepMemory:
+    """The transient-memory model of ``model`` running in ``dtype``."""
+    e = torch.tensor([], dtype=dtype).element_size()
+    f = 8 if dtype == torch.float64 else 4
+    d, h = model.head_dim, model.num_heads
+    streams = model.hc_streams * model.hidden * (3 * e + 2 * f)  # streams, mixes, fp32 norm
+    queries = h * d * (4 * e) + h * model.rope_dim * 3 * f  # q, attention out, RoPE both ways
+    indexer = model.index_heads * model.index_dim * (2 * e + f)
+    rows = 4 * (d + model.index_dim) * f  # C4 compressor rows (overlap doubles kv and score)
+    mlp = 3 * model.mlp_hidden * e + model.vocab_size * f
+    per_token = int(SAFETY * (streams + queries + indexer + rows + mlp))
+    per_entry = 8 * (2 if model.ratios else 0)  # the int64 slot tables of the step
+    fixed = 3 * LOGITS_TILE_BYTES  # a logits tile and the top-k scratch (2x its rows)
+    return StepMemory(per_token=per_token, per_entry=per_entry, fixed=fixed)
+
+
+def visible_entries(model: ModelConfig, context_len: int) -> int:
+    """Compressed entries a request of ``context_len`` tokens reads, over every stream."""
+    return sum(context_len // r for r in model.ratios)
+
+
+def free_device_memory(device: torch.device) -> int | None:
+    """Bytes free on a CUDA device now (None elsewhere: no budget)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)  # pragma: no cover - needs a GPU
+    return int(free)  # pragma: no cover - needs a GPU

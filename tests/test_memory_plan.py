@@ -1,0 +1,89 @@
+"""Memory-aware prefill: the step model's arithmetic, the step sizes a runner with a fake budget
+picks, and the typed refusal of a request whose one-token step cannot fit (nothing changes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from small_models import SHORT
+
+from adapters.memory_plan import (
+    MemoryBudgetError,
+    StepMemory,
+    free_device_memory,
+    step_memory,
+    visible_entries,
+)
+from adapters.model_config import FLASH_SHAPED
+from adapters.runner import Runner
+from adapters.sampling import SamplingParams
+from adapters.weights import init_weights
+
+
+def test_step_memory_arithmetic() -> None:
+    m = StepMemory(per_token=100, per_entry=8, fixed=1000)
+    assert m.peak(3, 10) == 1000 + 300 + 80
+    assert m.max_tokens(1000 + 80 + 250, 10) == 2  # 2 tokens fit, a third does not
+    assert m.max_tokens(900, 0) == 0  # not even one token
+    assert visible_entries(SHORT, 64) == 64 // 4 + 64 // 16
+
+
+def test_flash_shaped_step_memory_is_per_token_not_per_context() -> None:
+    """The transient memory of a step does not grow with the context beyond its int64 tables:
+    a 1M-token request's 8K-token step fits in a few GiB."""
+    m = step_memory(FLASH_SHAPED, torch.bfloat16)
+    one_m = visible_entries(FLASH_SHAPED, 1 << 20)
+    assert m.per_entry * one_m < 8 << 20
+    assert m.peak(8192, one_m) < 12 << 30
+    assert m.peak(8192, one_m) - m.peak(8192, 0) == m.per_entry * one_m
+
+
+def test_no_budget_on_cpu() -> None:
+    assert free_device_memory(torch.device("cpu")) is None
+
+
+def _runner(budget: int | None, chunk_tokens: int = 48) -> Runner:
+    cc = SHORT.cache_config(page_size=4, full_capacity=1024, swa_capacity=512)
+    weights = init_weights(SHORT, "cpu", torch.float32)
+    return Runner(SHORT, cc, device="cpu", dtype=torch.float32, weights=weights,
+                  chunk_tokens=chunk_tokens, graph_decode=False, memory_budget=budget)  # fmt: skip
+
+
+def test_prefill_steps_are_sized_to_the_budget() -> None:
+    """With room for about 10 tokens per step the runner prefills in steps of at most that
+    many tokens (fewer as a longer context's tables take their share), and the output equals
+    an unbudgeted run's."""
+    free = _runner(None)
+    m = free.memory
+    prompt = [(7 * i) % 250 for i in range(90)]
+    budget = m.fixed + m.per_entry * visible_entries(SHORT, 91) + 10 * m.per_token
+    capped = _runner(budget)
+    sizes: list[int] = []
+    forward = capped._forward
+
+    def spy(seqs, chunks, *args, **kwargs):
+        sizes.append(sum(len(c) for c in chunks))
+        return forward(seqs, chunks, *args, **kwargs)
+
+    capped._forward = spy  # type: ignore[method-assign]
+    params = SamplingParams(max_new_tokens=1)
+    got = capped.generate([prompt], params)[0].output
+    assert got == free.generate([prompt], params)[0].output
+    prefill = sizes[:-1] if len(sizes) > 1 else sizes
+    assert max(prefill) == 10 and sum(sizes) >= len(prompt)
+    assert all(s <= 10 for s in sizes)
+
+
+def test_a_request_that_cannot_fit_is_refused_and_nothing_changes() -> None:
+    r = _runner(10_000)  # below the fixed part: not even one token
+    before = r.cache.stats()
+    with pytest.raises(MemoryBudgetError, match="step memory"):
+        r.submit([1, 2, 3], SamplingParams(max_new_tokens=2))
+    assert r.num_pending == 0
+    r.cache.check_invariants()
+    assert r.cache.stats() == before and not r.cache.requests()
+
+
+def test_budget_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="memory_budget"):
+        _runner(0)
