@@ -16,6 +16,7 @@ outputs within one bf16 step).
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 

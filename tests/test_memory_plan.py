@@ -81,7 +81,7 @@ def test_a_request_that_cannot_fit_is_refused_and_nothing_changes() -> None:
         r.submit([1, 2, 3], SamplingParams(max_new_tokens=2))
     assert r.num_pending == 0
     r.cache.check_invariants()
-    assert r.cache.stats() == before and not r.cache.requests()
+    assert r.cache.stats() == before and not r.cache.requests
 
 
 def test_budget_must_be_positive() -> None:
