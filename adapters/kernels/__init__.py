@@ -51,6 +51,10 @@ __all__ = [
 
 TRITON_AVAILABLE: bool = importlib.util.find_spec("triton") is not None
 
+#: Route `index_logits` / `sparse_attention` on CUDA to the Triton kernels; benchmarks set it to
+#: False to time the tiled torch references (gathered keys) in the same process.
+SPARSE_KERNELS = True
+
 
 class _Package(types.ModuleType):
     """Keeps ``adapters.kernels.topk`` the dispatch function below. Importing the submodule of
@@ -150,7 +154,7 @@ def index_logits(
     """``(N, G)`` indexer logits of ``q`` ``(N, H, d)`` (head weights ``w`` ``(N, H)``) over
     the pool ``keys`` read through ``rows``, -inf past each query's length; see
     `indexer_reference.index_logits_reference`."""
-    if use_triton(q) and q.dtype != torch.float64:  # pragma: no cover - needs a GPU
+    if SPARSE_KERNELS and use_triton(q) and q.dtype != torch.float64:  # pragma: no cover
         from .indexer import flash_index_logits
 
         return flash_index_logits(q, w, keys, rows, key_scale=key_scale)
@@ -169,7 +173,7 @@ def sparse_attention(
 ) -> torch.Tensor:
     """``(N, H, d)`` attention of ``q`` over its window rows, its ``extra`` rows and the sink,
     keys read in place from their pools; see `attention_reference.sparse_attention_reference`."""
-    if use_triton(q) and q.dtype != torch.float64:  # pragma: no cover - needs a GPU
+    if SPARSE_KERNELS and use_triton(q) and q.dtype != torch.float64:  # pragma: no cover
         from .attention import flash_sparse_attention
 
         return flash_sparse_attention(

@@ -1,0 +1,180 @@
+"""Real long prompts through the runner (GPU): prefill, time to first token, decode, memory.
+
+Every prompt is real text tokenized by the runner's byte tokenizer — no synthetic pool fill:
+by default the Python standard library's own sources (this interpreter's, sorted by path,
+concatenated; the prompt's sha256 is recorded), or ``--file``. For each context length:
+
+* one request of that many prompt tokens: prefill tokens/s, time to first token, then batch-1
+  decode tokens/s (CUDA graphs) and its ratio to the first (shortest) length;
+* with ``--batch B``: B requests sharing that prompt as a prefix (it is cached by the first
+  request, so the others reuse it) plus a distinct 64-byte tail each, then batch-B decode
+  tokens/s and its ratio to the shortest length's;
+* the peak GPU memory of the point (``torch.cuda.max_memory_allocated``) and what the runner's
+  step-memory model predicted for its largest step.
+
+``--torch-path`` times the tiled torch references instead of the Triton indexer and attention
+kernels (the same runner, side by side in one process when both are given: ``--both``).
+
+    python bench/long_context.py --contexts 4096,32768,131072 --batch 32 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import adapters.kernels as kernels  # noqa: E402
+from adapters.model_config import preset  # noqa: E402
+from adapters.runner import Runner  # noqa: E402
+from adapters.sampling import SamplingParams  # noqa: E402
+from adapters.tokenizer import ByteTokenizer  # noqa: E402
+from adapters.weights import init_weights  # noqa: E402
+from bench.meta import run_meta  # noqa: E402
+
+TAIL = 64
+
+
+def corpus(path: str | None, need: int) -> bytes:
+    """At least ``need`` bytes of real text: ``path``, or the standard library's sources."""
+    if path:
+        data = Path(path).read_bytes()
+    else:
+        parts, size = [], 0
+        for f in sorted(Path(os.__file__).parent.rglob("*.py")):
+            parts.append(f.read_bytes())
+            size += len(parts[-1])
+            if size >= need + 64 * TAIL:
+                break
+        data = b"".join(parts)
+    if len(data) < need + 64 * TAIL:
+        raise SystemExit(f"the corpus has {len(data)} bytes; {need} are needed")
+    return data
+
+
+def make_runner(model, weights, context: int, batch: int, new: int, chunk: int) -> Runner:
+    page = 64
+    per = -(-(context + TAIL + new + 2 * page) // page) * page
+    full = per + batch * (-(-(TAIL + new + 2 * page) // page) * page) + 4 * page
+    swa = chunk + model.window + (batch + 4) * 4 * page
+    cc = model.cache_config(page_size=page, full_capacity=full, swa_capacity=swa)
+    return Runner(model, cc, device="cuda", dtype=torch.bfloat16, weights=weights,
+                  chunk_tokens=chunk, max_running=max(batch, 1))  # fmt: skip
+
+
+def prefill_point(runner: Runner, prompt: list[int], new: int) -> dict[str, float]:
+    """One request: time to first token, then the decode of the rest."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    rid = runner.submit(prompt, SamplingParams(max_new_tokens=new))
+    steps, first, done = 0, None, None
+    while done is None:
+        results = runner.step()
+        steps += 1
+        out = runner._running[0].result.output if runner._running else []
+        if first is None and (out or results):
+            torch.cuda.synchronize()
+            first = time.perf_counter()
+        done = next((r for r in results if r.request_id == rid), None)
+    torch.cuda.synchronize()
+    end = time.perf_counter()
+    assert first is not None and len(done.output) == new, done
+    return dict(ttft_s=first - t0, prefill_tokens_per_s=len(prompt) / (first - t0),
+                decode_tokens_per_s=(new - 1) / (end - first), steps=steps)  # fmt: skip
+
+
+def batch_point(runner: Runner, prompt: list[int], data: bytes, batch: int, new: int) -> dict:
+    """``batch`` requests reusing the cached prompt, decoding together."""
+    tails = [
+        list(data[len(prompt) + i * TAIL : len(prompt) + (i + 1) * TAIL]) for i in range(batch)
+    ]
+    ids = [runner.submit(prompt + t, SamplingParams(max_new_tokens=new)) for t in tails]
+    times: list[float] = []
+    left = set(ids)
+    while left:
+        before = runner.stats.decode_tokens
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for r in runner.step():
+            left.discard(r.request_id)
+        torch.cuda.synchronize()
+        if runner.stats.decode_tokens - before == batch:
+            times.append(time.perf_counter() - t0)
+    steady = sorted(times)[: max(1, len(times) - 2)]  # drop the slowest (graph capture)
+    return dict(batch_decode_tokens_per_s=batch * len(steady) / sum(steady),
+                batch_decode_steps=len(times))  # fmt: skip
+
+
+def point(args, model, weights, data: bytes, context: int) -> dict:
+    prompt = [ByteTokenizer.bos] + list(data[: context - 1])  # the tokenizer's bytes
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    runner = make_runner(model, weights, context, args.batch, args.new_tokens, args.chunk)
+    row: dict[str, object] = dict(context=len(prompt), sha256=hashlib.sha256(bytes(
+        t for t in prompt if t < 256)).hexdigest()[:16])  # fmt: skip
+    row.update(prefill_point(runner, prompt, args.new_tokens))
+    if args.batch:
+        row.update(batch_point(runner, prompt, data, args.batch, args.new_tokens))
+    row["prefill_tokens"] = runner.stats.prefill_tokens  # the batch's reuse shows here
+    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    step = runner.memory.peak(args.chunk, sum(len(prompt) // r for r in model.ratios))
+    row["predicted_step_gib"] = step / 2**30
+    row["budget_gib"] = (runner.memory_budget or 0) / 2**30
+    del runner
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", default="4096,32768,131072")
+    ap.add_argument("--model", default="flash-shaped")
+    ap.add_argument("--batch", type=int, default=0, help="also decode this many requests")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--file", default=None, help="prompt text (default: the stdlib sources)")
+    ap.add_argument("--paths", default="kernels", help="kernels, torch or both")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: this benchmark needs a GPU")
+        return 2
+    contexts = [int(c) for c in args.contexts.split(",")]
+    data = corpus(args.file, max(contexts) + (args.batch + 1) * TAIL)
+    model = preset(args.model)
+    weights = init_weights(model, "cuda", torch.bfloat16)
+    out = dict(meta=run_meta(), rows=[])
+    print(json.dumps(out["meta"]), flush=True)
+    paths = ["kernels", "torch"] if args.paths == "both" else [args.paths]
+    for context in contexts:
+        for path in paths:
+            kernels.SPARSE_KERNELS = path == "kernels"
+            try:
+                row = dict(path=path, **point(args, model, weights, data, context))
+            except torch.OutOfMemoryError as exc:
+                row = dict(path=path, context=context, error=f"OutOfMemoryError: {exc}"[:300])
+            out["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    first = {r["path"]: r for r in out["rows"] if "error" not in r and r["context"] == contexts[0]}
+    for r in out["rows"]:
+        base = first.get(r["path"])
+        if base and "error" not in r:
+            r["decode_ratio_to_first"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+            if "batch_decode_tokens_per_s" in r:
+                r["batch_ratio_to_first"] = (
+                    r["batch_decode_tokens_per_s"] / base["batch_decode_tokens_per_s"]
+                )
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
