@@ -43,6 +43,11 @@ from bench.meta import run_meta  # noqa: E402
 TAIL = 64
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def corpus(path: str | None, need: int) -> bytes:
     """At least ``need`` bytes of real text: ``path``, or the standard library's sources."""
     if path:
@@ -61,18 +66,21 @@ def corpus(path: str | None, need: int) -> bytes:
 
 
 def make_runner(model, weights, context: int, batch: int, new: int, chunk: int) -> Runner:
+    """A runner whose full pool could hold every request unshared: admission control
+    (`Runner._fits`) counts a request's whole length, not what it reuses; the prompt is
+    still stored once and reused (``prefill_tokens`` shows it)."""
     page = 64
     per = -(-(context + TAIL + new + 2 * page) // page) * page
-    full = per + batch * (-(-(TAIL + new + 2 * page) // page) * page) + 4 * page
+    full = (batch + 1) * per
     swa = chunk + model.window + (batch + 4) * 4 * page
     cc = model.cache_config(page_size=page, full_capacity=full, swa_capacity=swa)
-    return Runner(model, cc, device="cuda", dtype=torch.bfloat16, weights=weights,
+    return Runner(model, cc, device=weights.device, dtype=weights.dtype, weights=weights,
                   chunk_tokens=chunk, max_running=max(batch, 1))  # fmt: skip
 
 
 def prefill_point(runner: Runner, prompt: list[int], new: int) -> dict[str, float]:
     """One request: time to first token, then the decode of the rest."""
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     rid = runner.submit(prompt, SamplingParams(max_new_tokens=new))
     steps, first, done = 0, None, None
@@ -81,10 +89,10 @@ def prefill_point(runner: Runner, prompt: list[int], new: int) -> dict[str, floa
         steps += 1
         out = runner._running[0].result.output if runner._running else []
         if first is None and (out or results):
-            torch.cuda.synchronize()
+            _sync()
             first = time.perf_counter()
         done = next((r for r in results if r.request_id == rid), None)
-    torch.cuda.synchronize()
+    _sync()
     end = time.perf_counter()
     assert first is not None and len(done.output) == new, done
     return dict(ttft_s=first - t0, prefill_tokens_per_s=len(prompt) / (first - t0),
@@ -101,11 +109,11 @@ def batch_point(runner: Runner, prompt: list[int], data: bytes, batch: int, new:
     left = set(ids)
     while left:
         before = runner.stats.decode_tokens
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         for r in runner.step():
             left.discard(r.request_id)
-        torch.cuda.synchronize()
+        _sync()
         if runner.stats.decode_tokens - before == batch:
             times.append(time.perf_counter() - t0)
     steady = sorted(times)[: max(1, len(times) - 2)]  # drop the slowest (graph capture)
@@ -115,8 +123,10 @@ def batch_point(runner: Runner, prompt: list[int], data: bytes, batch: int, new:
 
 def point(args, model, weights, data: bytes, context: int) -> dict:
     prompt = [ByteTokenizer.bos] + list(data[: context - 1])  # the tokenizer's bytes
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    cuda = weights.device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     runner = make_runner(model, weights, context, args.batch, args.new_tokens, args.chunk)
     row: dict[str, object] = dict(context=len(prompt), sha256=hashlib.sha256(bytes(
         t for t in prompt if t < 256)).hexdigest()[:16])  # fmt: skip
@@ -124,7 +134,7 @@ def point(args, model, weights, data: bytes, context: int) -> dict:
     if args.batch:
         row.update(batch_point(runner, prompt, data, args.batch, args.new_tokens))
     row["prefill_tokens"] = runner.stats.prefill_tokens  # the batch's reuse shows here
-    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     step = runner.memory.peak(args.chunk, sum(len(prompt) // r for r in model.ratios))
     row["predicted_step_gib"] = step / 2**30
     row["budget_gib"] = (runner.memory_budget or 0) / 2**30
@@ -142,14 +152,16 @@ def main() -> int:
     ap.add_argument("--file", default=None, help="prompt text (default: the stdlib sources)")
     ap.add_argument("--paths", default="kernels", help="kernels, torch or both")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda", help="cuda (bf16) or cpu (fp32, a smoke run)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device: this benchmark needs a GPU")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run on a GPU, or --device cpu --model tiny for a smoke run")
         return 2
     contexts = [int(c) for c in args.contexts.split(",")]
     data = corpus(args.file, max(contexts) + (args.batch + 1) * TAIL)
     model = preset(args.model)
-    weights = init_weights(model, "cuda", torch.bfloat16)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    weights = init_weights(model, args.device, dtype)
     out = dict(meta=run_meta(), rows=[])
     print(json.dumps(out["meta"]), flush=True)
     paths = ["kernels", "torch"] if args.paths == "both" else [args.paths]
