@@ -45,6 +45,12 @@ def add_run_parser(sub) -> None:
     run.add_argument("--chunk-tokens", type=int, default=256)
     run.add_argument("--max-running", type=int, default=32)
     run.add_argument(
+        "--memory-budget-gib",
+        type=float,
+        help="transient device memory per forward step beyond pools and weights (default: "
+        "85%% of what is free on CUDA; prefill steps are sized to it)",
+    )
+    run.add_argument(
         "--hisparse-pages",
         type=int,
         help="keep C4 KV in host memory with this many device pages per C4 layer",

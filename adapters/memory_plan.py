@@ -34,21 +34,31 @@ class MemoryBudgetError(InvalidRequestError):
 
 @dataclass(frozen=True)
 class StepMemory:
-    """Transient bytes of one forward step: ``fixed + per_token * tokens + per_entry *
-    entries`` (``entries``: the visible compressed entries of the step's requests, summed)."""
+    """Transient bytes of one forward step of ``tokens`` tokens over requests with ``entries``
+    visible compressed entries (summed over the step's requests and streams)::
+
+        per_token * tokens + per_entry * entries + 3 * min(logits_tile, 4 * tokens * entries)
+
+    the last term: one fp32 logits tile of the indexer and the top-k scratch (twice its size),
+    never more than `selection.LOGITS_TILE_BYTES` whatever the context."""
 
     per_token: int
     per_entry: int
-    fixed: int
+    logits_tile: int
 
     def peak(self, tokens: int, entries: int) -> int:
-        return self.fixed + self.per_token * tokens + self.per_entry * entries
+        logits = min(self.logits_tile, 4 * tokens * entries)
+        return self.per_token * tokens + self.per_entry * entries + 3 * logits
 
-    def max_tokens(self, budget: int, entries: int) -> int:
-        """The most tokens a step over requests with ``entries`` visible entries may hold
-        within ``budget`` bytes (0: not even one)."""
-        room = budget - self.fixed - self.per_entry * entries
-        return max(0, room // self.per_token)
+    def max_tokens(self, budget: int, entries: int, limit: int = 1 << 30) -> int:
+        """The most tokens (at most ``limit``) a step over requests with ``entries`` visible
+        entries may hold within ``budget`` bytes (0: not even one). The peak grows with the
+        tokens, so a bisection finds it."""
+        lo, hi = 0, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.peak(mid, entries) <= budget else (lo, mid - 1)
+        return lo
 
 
 def step_memory(model: ModelConfig, dtype: torch.dtype) -> StepMemory:
@@ -63,8 +73,7 @@ def step_memory(model: ModelConfig, dtype: torch.dtype) -> StepMemory:
     mlp = 3 * model.mlp_hidden * e + model.vocab_size * f
     per_token = int(SAFETY * (streams + queries + indexer + rows + mlp))
     per_entry = 8 * (2 if model.ratios else 0)  # the int64 slot tables of the step
-    fixed = 3 * LOGITS_TILE_BYTES  # a logits tile and the top-k scratch (2x its rows)
-    return StepMemory(per_token=per_token, per_entry=per_entry, fixed=fixed)
+    return StepMemory(per_token=per_token, per_entry=per_entry, logits_tile=LOGITS_TILE_BYTES)
 
 
 def visible_entries(model: ModelConfig, context_len: int) -> int:

@@ -9,6 +9,8 @@ import time
 import torch
 from tqdm import tqdm
 
+from shadowradix import InvalidRequestError
+
 from .model_config import preset
 from .runner import GenerationResult, Runner
 from .sampling import SamplingParams
@@ -35,7 +37,16 @@ def build_runner(args: argparse.Namespace) -> Runner:
         hisparse_pages=args.hisparse_pages,
         tail_only=args.tail_only,
         speculative_tokens=args.speculative,
+        memory_budget=_budget_bytes(args.memory_budget_gib),
     )
+
+
+def _budget_bytes(gib: float | None) -> int | None:
+    if gib is None:
+        return None
+    if not gib > 0:
+        raise ValueError("--memory-budget-gib must be positive")
+    return int(gib * 2**30)
 
 
 def run_command(args: argparse.Namespace, texts: list[str]) -> int:
@@ -50,27 +61,27 @@ def run_command(args: argparse.Namespace, texts: list[str]) -> int:
         flush=True,
     )
     pending = [tok.encode(t) for t in texts]
-    bar = tqdm(
-        total=len(pending) * args.max_new_tokens,
-        unit="tok",
-        disable=args.quiet,
-        file=sys.stderr,
-        desc="decode",
-    )
+    bars = _Progress(sum(len(p) for p in pending), len(pending) * args.max_new_tokens, args.quiet)
     results: list[GenerationResult] = []
-    start, step = time.perf_counter(), 0
+    start, step, refused, order = time.perf_counter(), 0, 0, 0
     ids: dict[int, int] = {}
     while pending or runner.num_pending:
         if pending and (args.arrival_steps <= 0 or step % args.arrival_steps == 0):
             batch = pending if args.arrival_steps <= 0 else pending[:1]
             for prompt in batch:
-                ids[runner.submit(prompt, params)] = len(ids)
+                try:
+                    ids[runner.submit(prompt, params)] = order
+                except InvalidRequestError as exc:  # the others still run
+                    print(f"[{order}] refused: {exc}", file=sys.stderr, flush=True)
+                    refused += 1
+                    bars.refuse(len(prompt), args.max_new_tokens)
+                order += 1
             pending = pending[len(batch) :]
         done = runner.step()
         step += 1
-        bar.update(sum(len(r.output) for r in done))
+        bars.update(runner.stats.prefill_tokens, done)
         results += done
-    bar.close()
+    bars.close()
     wall = time.perf_counter() - start
     if not args.quiet:
         for res in sorted(results, key=lambda r: ids[r.request_id]):
@@ -80,7 +91,37 @@ def run_command(args: argparse.Namespace, texts: list[str]) -> int:
                 f"(hit {res.cached_tokens} tok{flag}): {tok.decode(res.output)!r}"
             )
     print(summary(runner, results, wall))
-    return 0
+    return 1 if refused else 0
+
+
+class _Progress:
+    """One bar on stderr over every prompt and output token: long prompts take a while before
+    their first output token, so prefill counts too (its share is in the postfix)."""
+
+    def __init__(self, prompt_tokens: int, output_tokens: int, quiet: bool) -> None:
+        self.prompt, self.output, self.prefilled, self.decoded = prompt_tokens, output_tokens, 0, 0
+        self.bar = tqdm(total=prompt_tokens + output_tokens, desc="tokens", unit="tok",
+                        unit_scale=True, disable=quiet, file=sys.stderr)  # fmt: skip
+
+    def update(self, prefilled: int, done: list[GenerationResult]) -> None:
+        gain = max(0, min(prefilled, self.prompt) - self.prefilled)
+        self.prefilled += gain
+        decoded = sum(len(r.output) for r in done)
+        self.decoded += decoded
+        self.bar.update(gain + decoded)
+        self.bar.set_postfix_str(
+            f"prefill {self.prefilled}/{self.prompt}, decode {self.decoded}/{self.output}",
+            refresh=False,
+        )
+
+    def refuse(self, prompt_len: int, output_len: int) -> None:
+        self.prompt -= prompt_len
+        self.output -= output_len
+        self.bar.total = self.prompt + self.output
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def summary(runner: Runner, results: list[GenerationResult], wall: float) -> str:

@@ -24,7 +24,7 @@ def test_run_default_prompts_prints_completions_and_summary(
 ) -> None:
     assert main(["run", "--max-new-tokens", "4", "--device", "cpu"]) == 0
     out, err = capsys.readouterr()
-    assert "decode" in err  # the progress bar goes to stderr
+    assert "decode" in err and "prefill" in err  # the progress bar goes to stderr
     completions = re.findall(r"^\[(\d+)\] +(length|stop) \(hit (\d+) tok\)", out, re.M)
     assert sorted(int(i) for i, _, _ in completions) == list(range(len(DEFAULT_QUESTIONS)))
     assert sum(int(hit) for _, _, hit in completions) > 0  # the shared system prompt is reused
@@ -83,3 +83,22 @@ def test_cli_speculative(capsys) -> None:
     assert "speculative decoding: k=2" in out and "mean acceptance length" in out
     assert main(argv + ["--speculative", "2", "--bounded-replay"]) == 2
     assert "speculative" in capsys.readouterr().err
+
+
+def test_a_refused_prompt_does_not_stop_the_others(capsys: pytest.CaptureFixture[str]) -> None:
+    """A prompt longer than the full pool is refused with its reason; the next one still runs,
+    and the exit status says something was refused."""
+    long = "x" * 300
+    argv = ["run", long, "hello", "--max-new-tokens", "3", "--device", "cpu",
+            "--full-tokens", "256", "--swa-tokens", "1024", "--chunk-tokens", "64"]  # fmt: skip
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert re.search(r"\[0\] refused: .*exceeds the full pool", err)
+    assert re.search(r"^\[1\] +(length|stop)", out, re.M)
+    assert "prefill" in err  # long prompts show prefill progress
+
+
+@pytest.mark.parametrize("bad", ["0", "-1"])
+def test_bad_memory_budget_is_an_error(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "hi", "--device", "cpu", "--memory-budget-gib", bad]) == 2
+    assert "--memory-budget-gib must be positive" in capsys.readouterr().err

@@ -21,10 +21,12 @@ from adapters.weights import init_weights
 
 
 def test_step_memory_arithmetic() -> None:
-    m = StepMemory(per_token=100, per_entry=8, fixed=1000)
-    assert m.peak(3, 10) == 1000 + 300 + 80
-    assert m.max_tokens(1000 + 80 + 250, 10) == 2  # 2 tokens fit, a third does not
-    assert m.max_tokens(900, 0) == 0  # not even one token
+    m = StepMemory(per_token=100, per_entry=8, logits_tile=1000)
+    assert m.peak(3, 10) == 300 + 80 + 3 * 120  # a small step's logits are its own size
+    assert m.peak(30, 10) == 3000 + 80 + 3 * 1000  # a large step's are one tile
+    assert m.max_tokens(80 + 2 * 100 + 3 * 80 + 99, 10) == 2  # 2 tokens fit, a third does not
+    assert m.max_tokens(90, 0) == 0  # not even one token
+    assert m.max_tokens(10**9, 0, limit=64) == 64
     assert visible_entries(SHORT, 64) == 64 // 4 + 64 // 16
 
 
@@ -35,7 +37,7 @@ def test_flash_shaped_step_memory_is_per_token_not_per_context() -> None:
     one_m = visible_entries(FLASH_SHAPED, 1 << 20)
     assert m.per_entry * one_m < 8 << 20
     assert m.peak(8192, one_m) < 12 << 30
-    assert m.peak(8192, one_m) - m.peak(8192, 0) == m.per_entry * one_m
+    assert m.peak(8192, 2 * one_m) - m.peak(8192, one_m) == m.per_entry * one_m  # tile capped
 
 
 def test_no_budget_on_cpu() -> None:
@@ -56,7 +58,8 @@ def test_prefill_steps_are_sized_to_the_budget() -> None:
     free = _runner(None)
     m = free.memory
     prompt = [(7 * i) % 250 for i in range(90)]
-    budget = m.fixed + m.per_entry * visible_entries(SHORT, 91) + 10 * m.per_token
+    entries = visible_entries(SHORT, 91)
+    budget = m.peak(10, entries)
     capped = _runner(budget)
     sizes: list[int] = []
     forward = capped._forward
@@ -75,7 +78,7 @@ def test_prefill_steps_are_sized_to_the_budget() -> None:
 
 
 def test_a_request_that_cannot_fit_is_refused_and_nothing_changes() -> None:
-    r = _runner(10_000)  # below the fixed part: not even one token
+    r = _runner(1000)  # below one token's activations
     before = r.cache.stats()
     with pytest.raises(MemoryBudgetError, match="step memory"):
         r.submit([1, 2, 3], SamplingParams(max_new_tokens=2))
