@@ -45,6 +45,12 @@ def add_run_parser(sub) -> None:
     run.add_argument("--chunk-tokens", type=int, default=256)
     run.add_argument("--max-running", type=int, default=32)
     run.add_argument(
+        "--index-format",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="cache format of the C4 indexer keys (fp8: e4m3 with a scale per row)",
+    )
+    run.add_argument(
         "--memory-budget-gib",
         type=float,
         help="transient device memory per forward step beyond pools and weights (default: "

@@ -262,7 +262,7 @@ class GraphKeys:
         ent = compress_rows(
             self.cfg, group_rows, layer.weights.ratio, sm.group, comp.norm, self.cfg.rope_dim
         )
-        pool[sm.entry_slot] = ent.to(pool.dtype)
+        self.pools.store(pool, sm.entry_slot, ent)
 
     def _compress_fused(  # pragma: no cover - needs a GPU
         self, layer, comp, sm: StreamMeta, ring, pool, rows: torch.Tensor
@@ -275,9 +275,9 @@ class GraphKeys:
         ent = kernels.compress_gathered(
             ring, row_ids, layer.weights.ratio, self.cfg.is_overlap(layer.weights.ratio),
             pad=sm.group_src == 2, groups=sm.group, norm=comp.norm, rope_dim=self.cfg.rope_dim,
-            theta=self.cfg.rope_theta, eps=self.cfg.norm_eps, out_dtype=pool.dtype,
+            theta=self.cfg.rope_theta, eps=self.cfg.norm_eps, out_dtype=self.pools.dtype,
         )  # fmt: skip
-        pool[sm.entry_slot] = ent
+        self.pools.store(pool, sm.entry_slot, ent)
 
     def _select(self, layer: LayerInput, sm: StreamMeta):
         cfg, i = self.cfg, layer.index
@@ -295,7 +295,8 @@ class GraphKeys:
         q = ops.rope(q, layer.positions, cfg.rope_dim, cfg.rope_theta)
         rows = sm.rows(self._qrow())
         keys = self.pools.index_keys[source]
-        logits = kernels.index_logits(q, layer.x @ idx.w_weight, keys, rows)
+        w = layer.x @ idx.w_weight
+        logits = kernels.index_logits(q, w, keys, rows, key_scale=self.pools.scale_of(keys))
         k = min(cfg.index_topk, rows.num_rows)
         values, chosen = ops.topk_lowest_index(logits, k, lengths=rows.lengths)
         self.selection[i] = (rows.slots_of(chosen), torch.isfinite(values))

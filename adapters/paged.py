@@ -275,7 +275,7 @@ class PagedKeys:
                 self.model.rope_dim,
             )
         if pool is not None:
-            pool[ss.entry_slots] = ent.to(pool.dtype)
+            self.pools.store(pool, ss.entry_slots, ent)
         return ent
 
     def _compress_fused(  # pragma: no cover - needs a GPU
@@ -308,9 +308,11 @@ class PagedKeys:
         q = (layer.x @ idx.w_q).view(n, cfg.index_heads, cfg.index_dim)
         q = ops.rope(q, layer.positions, cfg.rope_dim, cfg.rope_theta)
         rows = self._entry_rows(ss)
+        keys = self.pools.index_keys[source]
         self.selection[i] = select_entries(
-            q, layer.x @ idx.w_weight, self.pools.index_keys[source], rows, cfg.index_topk
-        )
+            q, layer.x @ idx.w_weight, keys, rows, cfg.index_topk,
+            key_scale=self.pools.scale_of(keys),
+        )  # fmt: skip
         return self.selection[i]
 
 

@@ -20,6 +20,7 @@ import torch
 
 from shadowradix import CacheConfig
 
+from .formats import CacheFormat, RowLayout, bytes_per_row, write_rows
 from .model_config import ModelConfig
 
 
@@ -60,11 +61,22 @@ class TokenBytes:
         return self.swa + self.rings
 
 
-def bytes_per_token(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> TokenBytes:
-    """Pool bytes per token with KV in ``dtype`` (rings fp32, fp64 in exact mode), sentinel rows
-    ignored. V4.1 sharing saves the compressed KV and indexer keys of every consumer layer (and
-    its rings); window KV stays per layer."""
+def bytes_per_token(
+    model: ModelConfig,
+    cache: CacheConfig,
+    dtype: torch.dtype,
+    index_format: CacheFormat = CacheFormat.BF16,
+) -> TokenBytes:
+    """Pool bytes per token with KV in ``dtype`` (rings fp32, fp64 in exact mode), indexer keys
+    in ``index_format`` (values and scales; `formats.bytes_per_row`), sentinel rows ignored.
+    V4.1 sharing saves the compressed KV and indexer keys of every consumer layer (and its
+    rings); window KV stays per layer."""
     elem = torch.tensor([], dtype=dtype).element_size()
+    index_row = (
+        model.index_dim * elem
+        if index_format is CacheFormat.BF16
+        else bytes_per_row(index_format, model.index_dim, dtype)
+    )
     state = 8 if dtype == torch.float64 else 4
     p = cache.page_size
     compressed = index = rings = 0.0
@@ -75,7 +87,7 @@ def bytes_per_token(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) 
         compressed += entries * model.head_dim * elem
         rings += rows * _row_width(model, ratio, model.head_dim) * state
         if model.is_sparse(ratio):
-            index += entries * model.index_dim * elem
+            index += entries * index_row
             rings += rows * _row_width(model, ratio, model.index_dim) * state
     swa = model.num_layers * model.head_dim * elem
     return TokenBytes(compressed=compressed, index=index, swa=swa, rings=rings)
@@ -91,7 +103,12 @@ class KVPools:
     ``mtp``: also the MTP layer's state (docs/speculative.md): its SWA KV as one more SWA
     layer (``swa[model.num_layers]``, the same slots as every layer), and ``page_hidden``: per
     SWA page, the main model's last hidden state at the page's last position, which a request
-    resuming at that page boundary feeds to the MTP row of its first new token."""
+    resuming at that page boundary feeds to the MTP row of its first new token.
+
+    ``index_format``: the indexer keys' cache format (`formats.CacheFormat`): ``BF16`` keeps
+    them in ``dtype``; ``FP8`` stores e4m3 values in ``index_keys[layer]`` and one fp32 scale
+    per row in ``index_scale[layer]``. Writers go through `store`, which quantises (the same
+    rounding in prefill, decode and verify); the indexer dequantises as it reads."""
 
     def __init__(
         self,
@@ -102,7 +119,10 @@ class KVPools:
         offload_c4: bool = False,
         track_late_swa: bool = False,
         mtp: bool = False,
+        index_format: CacheFormat = CacheFormat.BF16,
     ) -> None:
+        if index_format is CacheFormat.FP4:
+            raise ValueError("FP4 indexer keys are not read by the indexer yet: use BF16 or FP8")
         if cache.window != model.window or cache.compress_ratios != model.compress_ratios:
             raise ValueError("cache config does not match the model (window / compress_ratios)")
         self.model, self.cache = model, cache
@@ -117,7 +137,9 @@ class KVPools:
         self.compressed: dict[int, torch.Tensor] = {}
         self.ring: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
+        self.index_scale: dict[int, torch.Tensor] = {}
         self.index_ring: dict[int, torch.Tensor] = {}
+        self.index_format = index_format
         for layer in model.kv_source_layers:
             ratio = model.compress_ratios[layer]
             slots, rows = cache.compressed_capacity(ratio), cache.ring_capacity(ratio)
@@ -125,13 +147,37 @@ class KVPools:
                 self.compressed[layer] = self._zeros(slots, model.head_dim)
             self.ring[layer] = self._state(rows, _row_width(model, ratio, model.head_dim))
             if model.is_sparse(ratio):
-                self.index_keys[layer] = self._zeros(slots, model.index_dim)
+                self._index_pool(layer, slots, model.index_dim)
                 self.index_ring[layer] = self._state(
                     rows, _row_width(model, ratio, model.index_dim)
                 )
         self.late_swa_valid: torch.Tensor | None = None
         if track_late_swa:
             self.late_swa_valid = torch.zeros(swa_slots + 1, device=self.device, dtype=torch.bool)
+
+    def _index_pool(self, layer: int, slots: int, width: int) -> None:
+        if self.index_format is CacheFormat.BF16:
+            self.index_keys[layer] = self._zeros(slots, width)
+            return
+        native = self.dtype if self.dtype != torch.float16 else torch.float32
+        rows = RowLayout(self.index_format, width, native).zeros(slots + 1, self.device)
+        self.index_keys[layer], self.index_scale[layer] = rows.values, rows.scales
+
+    def store(self, pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Writes ``rows`` at ``slots`` of ``pool`` (one of this object's tensors), quantised
+        when ``pool`` holds indexer keys in a quantised format."""
+        scale = self.scale_of(pool)
+        if scale is None:
+            pool[slots] = rows.to(pool.dtype)
+        else:
+            write_rows(pool, scale, slots, rows.to(self.state_dtype), self.index_format)
+
+    def scale_of(self, pool: torch.Tensor) -> torch.Tensor | None:
+        """The row scales of ``pool`` if it holds quantised indexer keys, else None."""
+        for layer, keys in self.index_keys.items():
+            if keys is pool:
+                return self.index_scale.get(layer)
+        return None
 
     def _zeros(self, rows: int, width: int) -> torch.Tensor:
         return torch.zeros(rows + 1, width, device=self.device, dtype=self.dtype)
@@ -151,6 +197,6 @@ class KVPools:
         return PoolBytes(
             swa=size(self.swa),
             compressed=size(list(self.compressed.values())),
-            index=size(list(self.index_keys.values())),
+            index=size(list(self.index_keys.values()) + list(self.index_scale.values())),
             rings=size(list(self.ring.values()) + list(self.index_ring.values())),
         )

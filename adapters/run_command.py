@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from shadowradix import InvalidRequestError
 
+from .formats import CacheFormat
 from .model_config import preset
 from .runner import GenerationResult, Runner
 from .sampling import SamplingParams
@@ -38,6 +39,7 @@ def build_runner(args: argparse.Namespace) -> Runner:
         tail_only=args.tail_only,
         speculative_tokens=args.speculative,
         memory_budget=_budget_bytes(args.memory_budget_gib),
+        index_format=CacheFormat[args.index_format.upper()],
     )
 
 

@@ -29,6 +29,7 @@ from shadowradix import CacheConfig, CapacityError, InvalidRequestError, ReadPla
 from shadowradix.request import Request
 
 from .device import resolve_device
+from .formats import CacheFormat
 from .graph_decode import GraphDecoder
 from .memory_plan import MemoryBudgetError, free_device_memory, step_memory, visible_entries
 from .model_config import ModelConfig
@@ -163,7 +164,10 @@ class Runner:
     weights (`memory_plan.StepMemory`); every prefill step is sized to it. Default: on CUDA,
     85 % of the memory free once pools, weights and graph buffers are allocated; elsewhere no
     budget. A request whose one-token step would not fit is refused at `submit`
-    (`MemoryBudgetError`, nothing queued)."""
+    (`MemoryBudgetError`, nothing queued).
+
+    ``index_format``: the cache format of the C4 indexer keys (`formats.CacheFormat.FP8`:
+    e4m3 with a power-of-two scale per row, half the bytes; docs/formats.md)."""
 
     def __init__(
         self,
@@ -180,6 +184,7 @@ class Runner:
         speculative_tokens: int | None = None,
         draft: DraftSource | None = None,
         memory_budget: int | None = None,
+        index_format: CacheFormat = CacheFormat.BF16,
     ) -> None:
         self.device = resolve_device(device)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -211,6 +216,7 @@ class Runner:
             offload_c4=hisparse_pages is not None,
             track_late_swa=tail_only,
             mtp=self._mtp,
+            index_format=index_format,
         )
         self.offload = None
         if hisparse_pages is not None:
