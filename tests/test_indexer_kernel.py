@@ -1,0 +1,246 @@
+"""The fused Lightning indexer: its PyTorch reference against a literal loop over ``(n, h, g)``,
+and the Triton kernel (`adapters.kernels.indexer`) against the reference under Triton's CPU
+interpreter at tiny shapes (see `interpreted`).
+
+The interpreter dots in fp32 (its 16-bit arithmetic is unreliable), so 16-bit and FP8 keys are
+checked through their loads and casts; the 16-bit dot plans run on the GPU only
+(``bench/indexer.py`` checks them there). Agreement: within fp32 rounding of the reference, and
+the same -inf positions exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreted import interpreted_modules, run_check
+
+from adapters.kernels.indexer_reference import dequantize_keys, index_logits_reference
+from adapters.kernels.rows import PoolRows
+
+FP8 = torch.float8_e4m3fn
+
+
+def _literal(q, w, keys, rows: PoolRows, key_scale=None) -> torch.Tensor:
+    """``logits[n, g] = sum_h w[n, h] relu(q[n, h] . key(slot(n, g)))`` in fp64, one entry at a
+    time, with the slot read from the table by hand."""
+    n_q, heads, _ = q.shape
+    g_rows, spp = rows.num_rows, rows.slots_per_page
+    out = torch.full((n_q, g_rows), float("-inf"), dtype=torch.float64)
+    for n in range(n_q):
+        r = n if rows.qrow is None else int(rows.qrow[n])
+        for g in range(min(int(rows.lengths[n]), g_rows)):
+            slot = int(rows.table[r, g // spp]) * spp + g % spp
+            key = keys[slot].double()
+            if key_scale is not None:
+                key = key * float(key_scale[slot])
+            out[n, g] = sum(
+                float(w[n, h]) * max(0.0, float(q[n, h].double() @ key)) for h in range(heads)
+            )
+    return out
+
+
+def _case(gen, n, heads, d, spp, pages, *, sets=None, width=None, lengths=None, pool=None):
+    """Random ``q``, ``w``, ``keys`` and rows: ``sets`` row sets shared through ``qrow`` (None:
+    one per query), tables of distinct random pages of a pool of ``pool`` rows."""
+    pool = pool or 4 * pages * spp * (sets or n)
+    r = sets or n
+    table = torch.stack([torch.randperm(pool // spp, generator=gen)[:pages] for _ in range(r)])
+    g_rows = pages * spp if width is None else width
+    if lengths is None:
+        lengths = torch.randint(0, g_rows + 1, (n,), generator=gen)
+    qrow = None if sets is None else torch.randint(0, sets, (n,), generator=gen)
+    rows = PoolRows(table, torch.as_tensor(lengths), qrow, spp, width)
+    q = torch.randn(n, heads, d, generator=gen, dtype=torch.float64)
+    w = torch.randn(n, heads, generator=gen, dtype=torch.float64)
+    keys = torch.randn(pool, d, generator=gen, dtype=torch.float64)
+    return q, w, keys, rows
+
+
+# ----------------------------------------------------------------------------- the reference
+
+
+@pytest.mark.parametrize(
+    "spp,sets,width", [(1, None, None), (4, None, 10), (16, None, None), (4, 1, None), (1, 2, 5)]
+)
+def test_reference_matches_literal_loop(spp, sets, width):
+    gen = torch.Generator().manual_seed(spp * 10 + (sets or 0))
+    n, pages = 5, (8 if spp == 1 else 3)
+    g_rows = pages * spp if width is None else width
+    lengths = [0, g_rows, 1, g_rows // 2, g_rows + 3]  # empty, full, partial, past the width
+    q, w, keys, rows = _case(gen, n, 3, 8, spp, pages, sets=sets, width=width, lengths=lengths)
+    want = _literal(q, w, keys, rows)
+    got = index_logits_reference(q, w, keys, rows)
+    assert got.dtype == torch.float64 and got.shape == (n, g_rows)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    tiled = index_logits_reference(q, w, keys, rows, tile_bytes=1)  # one query per tile
+    torch.testing.assert_close(tiled, want, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_fp8_and_16_bit_keys():
+    gen = torch.Generator().manual_seed(3)
+    q, w, keys, rows = _case(gen, 4, 2, 16, 4, 4)
+    scale = torch.rand(keys.shape[0], generator=gen, dtype=torch.float64) + 0.5
+    k8 = keys.to(FP8)
+    want = _literal(q, w, k8, rows, scale)
+    got = index_logits_reference(q.float(), w.float(), k8, rows, key_scale=scale.float())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+    kb = keys.bfloat16()
+    got = index_logits_reference(q.bfloat16(), w.bfloat16(), kb, rows)
+    want = _literal(q.bfloat16(), w.bfloat16(), kb, rows)
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        index_logits_reference(q, w, k8, rows)
+    assert torch.equal(dequantize_keys(kb, scale, torch.float32), kb.float())  # scale unused
+
+
+def test_reference_empty():
+    q, w = torch.zeros(0, 2, 8), torch.zeros(0, 2)
+    rows = PoolRows(torch.zeros(0, 3, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    assert index_logits_reference(q, w, torch.zeros(4, 8), rows).shape == (0, 3)
+    q, w = torch.zeros(2, 2, 8), torch.zeros(2, 2)
+    rows = PoolRows(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, dtype=torch.long), width=0)
+    assert index_logits_reference(q, w, torch.zeros(4, 8), rows).shape == (2, 0)
+
+
+# ------------------------------------------------------------- Triton, under the interpreter
+
+KERNELS = ("indexer",)
+
+
+@pytest.fixture(scope="module")
+def interp():
+    """The interpreted ``indexer`` module, or None: run the checks in a child process."""
+    return interpreted_modules(KERNELS)
+
+
+def _close(got, want):
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+
+
+def _as(dtype, q, w, keys):
+    return q.to(dtype), w.to(dtype), keys.to(dtype)
+
+
+def check_decode_rows(ix):
+    """One row set per query: slot and page tables, lengths 0 / partial / full, a width under
+    the capacity, rows split over several programs, d and H padded to the dot's 16."""
+    gen = torch.Generator().manual_seed(20)
+    for spp, pages, width, knobs in [
+        (1, 40, None, dict(block_e=16, span=16)),  # 3 programs per query, the last partial
+        (4, 9, 30, dict(block_e=16)),
+        (16, 3, None, {}),
+    ]:
+        g_rows = pages * spp if width is None else width
+        lengths = [0, g_rows, 1, g_rows - 5]
+        q, w, keys, rows = _case(gen, 4, 4, 32, spp, pages, width=width, lengths=lengths)
+        q, w, keys = _as(torch.float32, q, w, keys)
+        want = index_logits_reference(q, w, keys, rows)
+        _close(ix.flash_index_logits(q, w, keys, rows, **knobs), want)
+    q, w, keys, rows = _case(gen, 3, 5, 24, 4, 4)  # H = 5, d = 24: padded heads and channels
+    q, w, keys = _as(torch.float32, q, w, keys)
+    _close(ix.flash_index_logits(q, w, keys, rows), index_logits_reference(q, w, keys, rows))
+
+
+def check_shared_rows(ix):
+    """Queries sharing one table row (prefill: causal lengths, blocks of queries share a key
+    tile, tiles past a block's longest length only written -inf), and mixed row sets (blocks
+    computed query by query)."""
+    gen = torch.Generator().manual_seed(21)
+    n = 7  # a partial last block
+    pos = torch.arange(n) * 9 + 3
+    q, w, keys, rows = _case(gen, n, 4, 16, 4, 20, sets=1, lengths=(pos + 1) // 4)
+    q, w, keys = _as(torch.float32, q, w, keys)
+    want = index_logits_reference(q, w, keys, rows)
+    for knobs in (dict(block_q=4, block_e=16), dict(block_q=2, block_e=32, span=32)):
+        _close(ix.flash_index_logits(q, w, keys, rows, **knobs), want)
+    q, w, keys, rows = _case(gen, 6, 4, 16, 1, 24, sets=3)
+    q, w, keys = _as(torch.float32, q, w, keys)
+    rows = PoolRows(rows.table, rows.lengths, torch.tensor([0, 0, 2, 1, 1, 1]), 1)
+    _close(ix.flash_index_logits(q, w, keys, rows), index_logits_reference(q, w, keys, rows))
+
+
+def check_key_dtypes(ix):
+    """16-bit q and keys, FP8 keys with one scale per pool row, fp32 q over bf16 keys."""
+    gen = torch.Generator().manual_seed(22)
+    q, w, keys, rows = _case(gen, 3, 4, 32, 16, 2)
+    for qd, kd in [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                   (torch.float32, torch.bfloat16)]:  # fmt: skip
+        qq, ww, kk = q.to(qd), w.to(qd), keys.to(kd)
+        _close(ix.flash_index_logits(qq, ww, kk, rows), index_logits_reference(qq, ww, kk, rows))
+    scale = torch.rand(keys.shape[0], generator=gen) + 0.25
+    k8, qb, wf = keys.to(FP8), q.bfloat16(), w.float()
+    want = index_logits_reference(qb, wf, k8, rows, key_scale=scale)
+    _close(ix.flash_index_logits(qb, wf, k8, rows, key_scale=scale), want)
+
+
+def check_empty_and_out(ix):
+    gen = torch.Generator().manual_seed(23)
+    q, w, keys, rows = _case(gen, 2, 4, 16, 4, 2)
+    q, w, keys = _as(torch.float32, q, w, keys)
+    out = torch.full((2, 8), 7.0)
+    assert ix.flash_index_logits(q, w, keys, rows, out=out) is out
+    _close(out, index_logits_reference(q, w, keys, rows))
+    empty = PoolRows(rows.table[:0], rows.lengths[:0], None, 4)
+    assert ix.flash_index_logits(q[:0], w[:0], keys, empty).shape == (0, 8)
+    narrow = PoolRows(rows.table, rows.lengths, None, 4, width=0)
+    assert ix.flash_index_logits(q, w, keys, narrow).shape == (2, 0)
+    zero = PoolRows(rows.table, torch.zeros(2, dtype=torch.long), None, 4)
+    assert bool(torch.isneginf(ix.flash_index_logits(q, w, keys, zero)).all())
+
+
+def check_errors(ix):
+    gen = torch.Generator().manual_seed(24)
+    q, w, keys, rows = _case(gen, 2, 4, 16, 4, 2)
+    q, w, keys = _as(torch.float32, q, w, keys)
+    shared = PoolRows(rows.table, rows.lengths, torch.zeros(2, dtype=torch.long), 4)
+    bad = [
+        lambda: ix.flash_index_logits(q, w[:, :3], keys, rows),
+        lambda: ix.flash_index_logits(q.double(), w, keys, rows),
+        lambda: ix.flash_index_logits(q, w, keys.to(torch.int8), rows),
+        lambda: ix.flash_index_logits(q[:1], w[:1], keys, rows),
+        lambda: ix.flash_index_logits(q, w, keys.to(FP8), rows),
+        lambda: ix.flash_index_logits(q, w, keys.t().contiguous().t(), rows),
+        lambda: ix.flash_index_logits(q, w, keys, rows, out=torch.empty(2, 8).double()),
+        lambda: ix.flash_index_logits(q, w, keys, rows, block_q=2),  # no qrow: one query
+        lambda: ix.flash_index_logits(q, w, keys, shared, block_e=24),
+        lambda: ix.flash_index_logits(q, w, keys, shared, block_e=16, span=24),
+    ]
+    for call in bad:
+        with pytest.raises(ValueError):
+            call()
+
+
+def check_plans_and_config(ix):
+    """The GPU dot plans (the interpreter always takes fp32 operands) and launch defaults."""
+    f32, bf, f16 = torch.float32, torch.bfloat16, torch.float16
+    plan = ix.dot_plan
+    assert plan(bf, bf) == (1, 1, bf) and plan(f16, FP8) == (1, 1, f16) and plan(f16, f16)[0] == 1
+    assert plan(f32, bf) == (3, 1, bf) and plan(f32, FP8)[:2] == (3, 1)
+    assert plan(f32, f32)[:2] == (3, 3) and plan(bf, f16)[:2] == (1, 2)
+    cpu = torch.device("cpu")
+    dec = ix.launch_config(1, 1 << 18, False, 2, plan(bf, bf), cpu)
+    assert (dec["BLOCK_Q"], dec["BLOCK_E"], dec["span"]) == (1, 64, 1 << 16)  # 4 programs / SM
+    fp8 = ix.launch_config(32, 1 << 18, False, 1, plan(bf, FP8), cpu, per_sm=64)
+    assert (fp8["BLOCK_E"], fp8["num_warps"], fp8["span"]) == (128, 8, 1 << 17)  # 2 per query
+    pre = ix.launch_config(2048, 1 << 15, True, 2, plan(bf, bf), cpu)
+    assert pre["BLOCK_Q"] * 64 >= 256 and pre["span"] == 1 << 15
+    split = ix.launch_config(64, 4096, True, 2, plan(f32, f32), cpu)
+    assert split["BLOCK_Q"] == 1 and split["num_stages"] == 2
+
+
+CHECKS = [
+    "check_decode_rows",
+    "check_shared_rows",
+    "check_key_dtypes",
+    "check_empty_and_out",
+    "check_errors",
+    "check_plans_and_config",
+]
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_indexer_kernel_interpreted(interp, name):
+    run_check(interp, globals()[name], KERNELS, CHECKS, __file__)
