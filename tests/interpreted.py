@@ -113,7 +113,7 @@ print("@@RESULTS@@" + json.dumps(out))
 """
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _child_results(  # pragma: no cover - exercised on CUDA machines only
     path: str, names: tuple[str, ...], checks: tuple[str, ...]
 ) -> dict:

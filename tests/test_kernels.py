@@ -635,3 +635,39 @@ def test_topk_on_cuda_graphs_streams_and_long_lengths():  # pragma: no cover - n
             torch.cuda.synchronize()
             got = _index_order(*(t.cpu() for t in out))
             assert all(torch.equal(a, w) for a, w in zip(got, want)), (algorithm, "lengths")
+
+
+def check_topk_plans(_comp, topk_mod):
+    """Launch plans (`adapters.kernels.launch`): one per shape, flags and pointer alignment,
+    reused with the same results; none kept with the cache switched off; `sort_topk`'s own."""
+    from adapters.kernels import launch
+
+    plans, sorts = topk_mod._PLANS, topk_mod._SORTS
+    plans.clear()
+    sorts.clear()
+    x = torch.randn(2, 701, generator=torch.Generator().manual_seed(24))
+    y = x[:, :700].contiguous()
+    first = topk_mod.lightning_topk(y, 16, block=128)
+    again = topk_mod.lightning_topk(y.clone(), 16, block=128)
+    assert all(torch.equal(a, b) for a, b in zip(first, again)) and len(plans) == 1
+    # rows 4 bytes off 16-byte alignment, with lengths, unsorted and sorted: a plan each
+    _same_topk(topk_mod, x[:, 1:], 16, torch.tensor([700, 9]), algorithms=("histogram",), block=128)
+    assert len(plans) == 3
+    launch.CACHE_LAUNCHES = False
+    try:
+        _same_topk(topk_mod, x, 20, algorithms=("bound",), block=128)
+    finally:
+        launch.CACHE_LAUNCHES = True
+    assert len(plans) == 3
+    v, i, c = (t.clone() for t in first)
+    for _ in range(2):
+        topk_mod.sort_topk(y, v, i, c)
+    want = ref.topk_reference(y, 16, sorted=True)
+    assert all(torch.equal(a, b) for a, b in zip((v, i, c), want)) and len(sorts) == 1
+
+
+PLAN_CHECKS = ["check_topk_plans"]
+
+
+def test_topk_launch_plans_under_interpreter(interp):
+    run_check(interp, check_topk_plans, KERNELS, PLAN_CHECKS, __file__)

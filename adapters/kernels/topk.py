@@ -65,10 +65,13 @@ from __future__ import annotations
 
 import inspect
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from .launch import KernelLaunch, PlanCache, aligned
 
 try:  # programmatic dependent launch (Hopper+): Triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -128,8 +131,6 @@ def _trace_end(tr_ptr, b, pid, TRACE: tl.constexpr):
     """A CTA's end: SM clock (slot 7) and global timer (slot 1)."""
     _stamp(tr_ptr, b, pid, 7, TRACE)
     _stamp(tr_ptr, b, pid, 1, TRACE)
-
-
 
 
 # Per-row state, int32 words, all zero between calls: hist1[256], hist2[256], a header of 16
@@ -937,18 +938,15 @@ def lightning_topk(
     workspace must not run concurrently (one per stream, or per captured graph replayed on one
     stream). None: on CUDA, the current stream's own workspace, kept by this module (as PyTorch
     keeps a cuBLAS workspace per stream; calls on one stream never overlap); elsewhere a fresh
-    one."""
-    if scores.dim() != 2:
-        raise ValueError("scores must be (B, N)")
-    if k < 1:
-        raise ValueError("k must be positive")
-    if algorithm not in ("auto", "histogram", "bound"):
-        raise ValueError(f"unknown algorithm {algorithm!r}: 'auto', 'histogram' or 'bound'")
-    if chunk is not None and (chunk < 1 or chunk & (chunk - 1)):
-        raise ValueError("chunk must be a power of two")
-    if block is not None and (block & (block - 1) or not 16 <= block <= 16384):
-        # the select kernel packs two per-block counts into one 32-bit scan
-        raise ValueError("block must be a power of two from 16 to 16384")
+    one.
+
+    Host cost: the launches of one shape, flags and knobs (grids, constexprs, compiled kernels)
+    are planned once and kept in `_PLANS` (`launch.PlanCache`); later calls launch the compiled
+    kernels directly (`launch.KernelLaunch`): on the lent H200, an eager call at 1 x 262,144
+    took 118 us instead of 313 us (`bench/results/topk_eager_h200.json`). A plan reads
+    ``ADAPTERS_TOPK_PDL`` and the device when it is built. A call that fails drops its plan (and
+    the stream workspace it may have left dirty)."""
+    _check_knobs(scores, k, algorithm, chunk, block)
     if scores.dtype != torch.float32:
         scores = scores.float()
     if scores.stride(-1) != 1:
@@ -960,86 +958,162 @@ def lightning_topk(
     counts = torch.empty((b,), dtype=torch.int32, device=dev)
     if b == 0:
         return values, indices, counts
-    if n >= 2**31 // 2:
-        raise ValueError("rows of 2**30 entries or more are not supported")
-    if algorithm == "auto":
-        algorithm = "bound" if b >= AUTO_BOUND_ROWS else "histogram"
-    block = block or 1024
-    num_warps = num_warps or 8
-    c, span = _split(n, b, block, dev, ctas)
-    if workspace is None:
-        ws = _stream_workspace(b, dev)
-    elif workspace.dtype != torch.int32 or workspace.numel() < b * _WS_ROW:
-        raise ValueError(f"workspace must be int32 with at least {b} x {_WS_ROW} entries")
-    else:
-        ws = workspace
-    has_len = lengths is not None
+    _check_buffers(b, n, workspace, trace)
     lens = lengths.contiguous() if lengths is not None else counts
-    use_pdl = _use_pdl(dev, pdl)
-    grid = (c, b)
-    common = dict(
-        HAS_LEN=has_len,
-        HIST_MASK=HIST_MASK if hist_mask is None else hist_mask,
-        PDL=use_pdl,
-        TRACE=trace is not None,
-        num_warps=num_warps,
-    )
-    if trace is not None and (trace.dtype != torch.int64 or trace.shape != (3, b, _MAX_CTAS, 8)):
-        raise ValueError(f"trace must be int64 of shape (3, {b}, {_MAX_CTAS}, 8): see topk_trace")
-    tr = [trace[j] if trace is not None else counts for j in range(3)]
-    follow = dict(launch_pdl=True) if use_pdl else {}
-    # the tail's code must not cost the streaming part its occupancy: two 8-warp CTAs per SM
-    tail = dict(maxnreg=128) if dev.type == "cuda" and num_warps == 8 else {}
+    knobs = _Knobs(
+        block or 1024, ctas, num_warps or 8, HIST_MASK if hist_mask is None else hist_mask, pdl,
+        algorithm, chunk, tuple(bound_warps), tile, gather_regs,
+    )  # fmt: skip
     stride = scores.stride(0)
-    hn = n if n > k else 0  # the histogrammed length of every row when lengths is None
-    nn = max(n, 1)
-    mc = min(2048, max(1024, triton.next_power_of_2(k + k // 2)))  # the tail's chunk
-    cb = min(1024, triton.next_power_of_2(c))
+    # everything the kernels' specialisation depends on (`launch`): shapes, integer arguments,
+    # dtypes, and the alignment of every pointer that is not a fresh allocation
+    key = (dev, b, n, stride, k, sorted, None if lengths is None else lengths.dtype, knobs,
+           trace is not None, aligned(scores), aligned(lens),
+           workspace is None or aligned(workspace), trace is None or aligned(trace))  # fmt: skip
+    plan = _PLANS.get(key, lambda: _plan(b, n, stride, k, dev, sorted, lengths is not None, knobs,
+                                         trace is not None))  # fmt: skip
+    ws = _stream_workspace(b, dev) if workspace is None else workspace
+    tr = (counts,) * 3 if trace is None else tuple(trace)
     try:
-        if algorithm == "bound":
-            # capped, the gather keeps enough CTAs resident to hide its loads (the compiler would
-            # take ~100 registers: two CTAs per SM, several waves)
-            regs = dict(maxnreg=gather_regs or 64) if dev.type == "cuda" else {}
-            m, r, cc, s, rb = _columns(n, k, b, tile, dev, chunk, ctas)
-            # one scratch allocation: column maxima (b, m), then per row [values | indices] (2n)
-            scratch = torch.empty((b * (m + 2 * nn),), dtype=torch.int32, device=dev)
-            mx, cand = scratch[: b * m], scratch[b * m :]
-            _colmax_kernel[(cc, b)](
-                scores, lens, ws, mx, n, hn, stride, k, cc, m, r, tr[0],
-                S=s, RB=rb, MB=min(2048, m), **dict(common, num_warps=bound_warps[0]),
-            )  # fmt: skip
-            _gather_kernel[grid](
-                scores, lens, ws, cand.view(torch.float32), cand, n, hn, stride, span, k, tr[1],
-                BLOCK=block, CB=cb, HAS_LEN=has_len, PDL=use_pdl, TRACE=trace is not None,
-                num_warps=num_warps, **follow, **regs,
-            )  # fmt: skip
-            _finish_kernel[(b,)](
-                lens, ws, cand.view(torch.float32), cand, values, indices, counts, n, hn, k, c,
-                tr[2], CB=cb, MC=mc, **dict(common, num_warps=bound_warps[1]), **follow,
-            )  # fmt: skip
-        else:
-            # one scratch allocation: per-CTA counts (b, 257, c), then per row [values | indices]
-            scratch = torch.empty((b * ((_NB + 1) * c + 2 * nn),), dtype=torch.int32, device=dev)
-            ge, cand = scratch[: b * (_NB + 1) * c], scratch[b * (_NB + 1) * c :]
-            _hist1_kernel[grid](
-                scores, lens, ws, n, hn, stride, span, k, tr[0], BLOCK=block, **common
-            )
-            _hist2_kernel[grid](
-                scores, lens, ws, ge, n, hn, stride, span, k, c, tr[1], BLOCK=block,
-                **common, **follow,
-            )  # fmt: skip
-            _select_kernel[grid](
-                scores, lens, ws, ge, cand.view(torch.float32), cand, values, indices, counts,
-                n, hn, stride, span, k, c, tr[2], BLOCK=block, CB=cb, MC=mc,
-                PAIR_SMALL=PAIR_SMALL, PAIR=PAIR, **common, **follow, **tail,
-            )  # fmt: skip
+        plan.launch(scores, lens, ws, values, indices, counts, tr)
     except BaseException:  # a launch failed part-way: the state may be left dirty
+        _PLANS.discard(key)
         if workspace is None:
             _forget_workspace(ws)
         raise
-    if sorted:
-        sort_topk(scores, values, indices, counts)
     return values, indices, counts
+
+
+def _check_knobs(scores: torch.Tensor, k: int, algorithm: str, chunk, block) -> None:
+    if scores.dim() != 2:
+        raise ValueError("scores must be (B, N)")
+    if k < 1:
+        raise ValueError("k must be positive")
+    if algorithm not in ("auto", "histogram", "bound"):
+        raise ValueError(f"unknown algorithm {algorithm!r}: 'auto', 'histogram' or 'bound'")
+    if chunk is not None and (chunk < 1 or chunk & (chunk - 1)):
+        raise ValueError("chunk must be a power of two")
+    if block is not None and (block & (block - 1) or not 16 <= block <= 16384):
+        # the select kernel packs two per-block counts into one 32-bit scan
+        raise ValueError("block must be a power of two from 16 to 16384")
+
+
+def _check_buffers(b: int, n: int, workspace, trace) -> None:
+    if n >= 2**31 // 2:
+        raise ValueError("rows of 2**30 entries or more are not supported")
+    if workspace is not None and (
+        workspace.dtype != torch.int32 or workspace.numel() < b * _WS_ROW
+    ):
+        raise ValueError(f"workspace must be int32 with at least {b} x {_WS_ROW} entries")
+    if trace is not None and (trace.dtype != torch.int64 or trace.shape != (3, b, _MAX_CTAS, 8)):
+        raise ValueError(f"trace must be int64 of shape (3, {b}, {_MAX_CTAS}, 8): see topk_trace")
+
+
+class _Knobs(NamedTuple):
+    """`lightning_topk`'s launch knobs, defaults resolved (``algorithm`` may still be auto)."""
+
+    block: int
+    ctas: int | None
+    num_warps: int
+    hist_mask: bool
+    pdl: bool | None
+    algorithm: str
+    chunk: int | None
+    bound_warps: tuple[int, ...]
+    tile: int
+    gather_regs: int | None
+
+
+class _Plan(NamedTuple):
+    """One shape's launches and their integer arguments: ``n``, ``hn`` (the histogrammed length
+    without lengths), the row stride, ``span`` and ``c`` (entries and CTAs per row of the
+    streaming kernels), ``m``, ``r``, ``cc`` (the bound algorithm's columns, rows and column
+    CTAs); one int32 scratch of ``scratch_words`` whose candidate lists start at ``cand_at``.
+    (Not a dataclass: the tests load private copies of this module outside `sys.modules`.)"""
+
+    bound: bool
+    launches: tuple[KernelLaunch, KernelLaunch, KernelLaunch]
+    sort: KernelLaunch | None
+    n: int
+    hn: int
+    stride: int
+    k: int
+    span: int
+    c: int
+    m: int
+    r: int
+    cc: int
+    scratch_words: int
+    cand_at: int
+
+    def launch(self, x, lens, ws, values, indices, counts, tr) -> None:
+        # one scratch: per-CTA counts (histogram) or column maxima (bound) first, then per row
+        # [candidate values | candidate indices]
+        scratch = torch.empty((self.scratch_words,), dtype=torch.int32, device=x.device)
+        ci = scratch[self.cand_at :]
+        cv = ci.view(torch.float32)
+        n, hn, stride, k, span, c = self.n, self.hn, self.stride, self.k, self.span, self.c
+        first, second, last = self.launches
+        if self.bound:
+            first(x, lens, ws, scratch, n, hn, stride, k, self.cc, self.m, self.r, tr[0])
+            second(x, lens, ws, cv, ci, n, hn, stride, span, k, tr[1])
+            last(lens, ws, cv, ci, values, indices, counts, n, hn, k, c, tr[2])
+        else:
+            first(x, lens, ws, n, hn, stride, span, k, tr[0])
+            second(x, lens, ws, scratch, n, hn, stride, span, k, c, tr[1])
+            last(x, lens, ws, scratch, cv, ci, values, indices, counts, n, hn, stride, span, k, c,
+                 tr[2])  # fmt: skip
+        if self.sort is not None:
+            self.sort(x, values, indices, counts, stride, k)
+
+
+def _plan(b, n, stride, k, dev, sort, has_len, knobs: _Knobs, tracing: bool) -> _Plan:
+    """The launches of a `lightning_topk` call (see there for the knobs)."""
+    bound = knobs.algorithm == "bound" or (knobs.algorithm == "auto" and b >= AUTO_BOUND_ROWS)
+    c, span = _split(n, b, knobs.block, dev, knobs.ctas)
+    use_pdl = _use_pdl(dev, knobs.pdl)
+    cuda = dev.type == "cuda"
+    flags = dict(HAS_LEN=has_len, PDL=use_pdl, TRACE=tracing)
+    common = dict(flags, HIST_MASK=knobs.hist_mask)
+    follow = dict(launch_pdl=True) if use_pdl else {}
+    nn = max(n, 1)
+    mc = min(2048, max(1024, triton.next_power_of_2(k + k // 2)))  # the tail's chunk
+    cb = min(1024, triton.next_power_of_2(c))
+    if bound:
+        m, r, cc, s, rb = _columns(n, k, b, knobs.tile, dev, knobs.chunk, knobs.ctas)
+        # capped, the gather keeps enough CTAs resident to hide its loads (the compiler would
+        # take ~100 registers: two CTAs per SM, several waves)
+        regs = dict(maxnreg=knobs.gather_regs or 64) if cuda else {}
+        launches = (
+            KernelLaunch(_colmax_kernel, (cc, b), S=s, RB=rb, MB=min(2048, m), **common,
+                         num_warps=knobs.bound_warps[0]),
+            KernelLaunch(_gather_kernel, (c, b), BLOCK=knobs.block, CB=cb, **flags,
+                         num_warps=knobs.num_warps, **follow, **regs),
+            KernelLaunch(_finish_kernel, (b,), CB=cb, MC=mc, **common,
+                         num_warps=knobs.bound_warps[1], **follow),
+        )  # fmt: skip
+        cand_at = b * m
+    else:
+        m = r = cc = 0
+        # the tail's code must not cost the streaming part its occupancy: two 8-warp CTAs per SM
+        tail = dict(maxnreg=128) if cuda and knobs.num_warps == 8 else {}
+        kw = dict(common, BLOCK=knobs.block, num_warps=knobs.num_warps)
+        launches = (
+            KernelLaunch(_hist1_kernel, (c, b), **kw),
+            KernelLaunch(_hist2_kernel, (c, b), **kw, **follow),
+            KernelLaunch(_select_kernel, (c, b), **kw, CB=cb, MC=mc, PAIR_SMALL=PAIR_SMALL,
+                         PAIR=PAIR, **follow, **tail),
+        )  # fmt: skip
+        cand_at = b * (_NB + 1) * c
+    hn = n if n > k else 0  # the histogrammed length of every row when lengths is None
+    return _Plan(
+        bound, launches, _sort_launch(b, k) if sort else None, n, hn, stride, k, span, c, m, r,
+        cc, cand_at + b * 2 * nn, cand_at,
+    )  # fmt: skip
+
+
+_PLANS: PlanCache[_Plan] = PlanCache()
+_SORTS: PlanCache[KernelLaunch] = PlanCache()
 
 
 # (device, stream) -> every workspace made for that stream, the largest last. None is freed (a
@@ -1090,14 +1164,12 @@ def sort_topk(
     """Reorders `lightning_topk` results in place: value descending, ties by index ascending
     (one program per row, a bitonic sort of ``next_pow2(k)`` 64-bit keys)."""
     b, k = values.shape
+    stride = scores.stride(0)
+    tensors = (scores, values, indices, counts)
+    key = (scores.device, b, k, stride, *(aligned(t) for t in tensors))
+    _SORTS.get(key, lambda: _sort_launch(b, k))(*tensors, stride, k)
+
+
+def _sort_launch(b: int, k: int) -> KernelLaunch:
     kp = triton.next_power_of_2(k)
-    _sort_kernel[(b,)](
-        scores,
-        values,
-        indices,
-        counts,
-        scores.stride(0),
-        k,
-        KP=kp,
-        num_warps=4 if kp <= 1024 else 8,
-    )
+    return KernelLaunch(_sort_kernel, (b,), KP=kp, num_warps=4 if kp <= 1024 else 8)
