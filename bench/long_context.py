@@ -120,6 +120,8 @@ def batch_point(runner: Runner, prompt: list[int], data: bytes, batch: int, new:
         _sync()
         if runner.stats.decode_tokens - before == batch:
             times.append(time.perf_counter() - t0)
+    if not times:
+        raise RuntimeError(f"no step decoded all {batch} requests together: raise --new-tokens")
     steady = sorted(times)[: max(1, len(times) - 2)]  # drop the slowest (graph capture)
     return dict(batch_decode_tokens_per_s=batch * len(steady) / sum(steady),
                 batch_decode_steps=len(times))  # fmt: skip
