@@ -51,6 +51,12 @@ def add_run_parser(sub) -> None:
         help="cache format of the C4 indexer keys (fp8: e4m3 with a scale per row)",
     )
     run.add_argument(
+        "--swa-format",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="cache format of the sliding-window KV (fp8: e4m3 with a scale per row)",
+    )
+    run.add_argument(
         "--memory-budget-gib",
         type=float,
         help="transient device memory per forward step beyond pools and weights (default: "

@@ -225,7 +225,7 @@ class GraphKeys:
     def attend(self, layer: LayerInput) -> torch.Tensor:
         cfg, m, i = self.cfg, self.meta, layer.index
         swa = self.pools.swa[i]
-        swa[m.swa_new] = layer.kv.to(swa.dtype)
+        self.pools.store(swa, m.swa_new, layer.kv)
         mask, pool, extra = m.window_mask, None, None
         last = cfg.last_kv_source
         if m.late_window_mask is not None and last is not None and i > last:
@@ -244,7 +244,15 @@ class GraphKeys:
                 extra = sm.rows(self._qrow())
             pool = self.pools.compressed[source]
         return kernels.sparse_attention(
-            layer.q, swa, m.window_slots, mask, layer.weights.sink, cfg.scale, pool, extra
+            layer.q,
+            swa,
+            m.window_slots,
+            mask,
+            layer.weights.sink,
+            cfg.scale,
+            pool,
+            extra,
+            window_scale=self.pools.scale_of(swa),
         )
 
     def _compress(self, layer, comp, sm: StreamMeta, ring, pool) -> None:

@@ -200,11 +200,11 @@ class PagedKeys:
     def attend(self, layer: LayerInput) -> torch.Tensor:
         cfg, st, i = self.model, self.step, layer.index
         swa = self.pools.swa[i]
-        swa[st.swa_slots] = layer.kv.to(swa.dtype)
+        self.pools.store(swa, st.swa_slots, layer.kv)
         extra_kv, extra = self._extra(layer) if layer.weights.ratio else (None, None)
         return kernels.sparse_attention(
             layer.q, swa, st.window_slots, self._window_mask(i), layer.weights.sink, cfg.scale,
-            extra_kv, extra,
+            extra_kv, extra, window_scale=self.pools.scale_of(swa),
         )  # fmt: skip
 
     def _window_mask(self, layer: int) -> torch.Tensor:

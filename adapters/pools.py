@@ -66,17 +66,19 @@ def bytes_per_token(
     cache: CacheConfig,
     dtype: torch.dtype,
     index_format: CacheFormat = CacheFormat.BF16,
+    swa_format: CacheFormat = CacheFormat.BF16,
 ) -> TokenBytes:
     """Pool bytes per token with KV in ``dtype`` (rings fp32, fp64 in exact mode), indexer keys
-    in ``index_format`` (values and scales; `formats.bytes_per_row`), sentinel rows ignored.
+    in ``index_format`` and window KV in ``swa_format`` (values and scales;
+    `formats.bytes_per_row`), sentinel rows ignored.
     V4.1 sharing saves the compressed KV and indexer keys of every consumer layer (and its
     rings); window KV stays per layer."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    index_row = (
-        model.index_dim * elem
-        if index_format is CacheFormat.BF16
-        else bytes_per_row(index_format, model.index_dim, dtype)
-    )
+
+    def row(fmt: CacheFormat, width: int) -> int:
+        return width * elem if fmt is CacheFormat.BF16 else bytes_per_row(fmt, width, dtype)
+
+    index_row = row(index_format, model.index_dim)
     state = 8 if dtype == torch.float64 else 4
     p = cache.page_size
     compressed = index = rings = 0.0
@@ -89,7 +91,7 @@ def bytes_per_token(
         if model.is_sparse(ratio):
             index += entries * index_row
             rings += rows * _row_width(model, ratio, model.index_dim) * state
-    swa = model.num_layers * model.head_dim * elem
+    swa = model.num_layers * row(swa_format, model.head_dim)
     return TokenBytes(compressed=compressed, index=index, swa=swa, rings=rings)
 
 
@@ -105,10 +107,12 @@ class KVPools:
     SWA page, the main model's last hidden state at the page's last position, which a request
     resuming at that page boundary feeds to the MTP row of its first new token.
 
-    ``index_format``: the indexer keys' cache format (`formats.CacheFormat`): ``BF16`` keeps
-    them in ``dtype``; ``FP8`` stores e4m3 values in ``index_keys[layer]`` and one fp32 scale
-    per row in ``index_scale[layer]``. Writers go through `store`, which quantises (the same
-    rounding in prefill, decode and verify); the indexer dequantises as it reads."""
+    ``index_format`` / ``swa_format``: the cache format (`formats.CacheFormat`) of the indexer
+    keys / of the main layers' window KV: ``BF16`` keeps them in ``dtype``; ``FP8`` stores e4m3
+    values in the pool tensor (``index_keys[layer]``, ``swa[layer]``) and one fp32 scale per row
+    beside it (`scale_of`). Writers go through `store`, which quantises (the same rounding in
+    prefill, decode and verify); the kernels dequantise as they read. The MTP layer's window
+    stays in ``dtype``."""
 
     def __init__(
         self,
@@ -120,16 +124,21 @@ class KVPools:
         track_late_swa: bool = False,
         mtp: bool = False,
         index_format: CacheFormat = CacheFormat.BF16,
+        swa_format: CacheFormat = CacheFormat.BF16,
     ) -> None:
-        if index_format is CacheFormat.FP4:
-            raise ValueError("FP4 indexer keys are not read by the indexer yet: use BF16 or FP8")
+        if CacheFormat.FP4 in (index_format, swa_format):
+            raise ValueError("FP4 pools are not read by the kernels yet: use BF16 or FP8")
         if cache.window != model.window or cache.compress_ratios != model.compress_ratios:
             raise ValueError("cache config does not match the model (window / compress_ratios)")
         self.model, self.cache = model, cache
         self.device, self.dtype = torch.device(device), dtype
         self.state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         swa_slots = cache.max_swa_pages * cache.page_size
-        self.swa = [self._zeros(swa_slots, model.head_dim) for _ in model.compress_ratios]
+        self.index_format, self.swa_format = index_format, swa_format
+        self._scales: list[tuple[torch.Tensor, torch.Tensor, CacheFormat]] = []
+        self.swa = [
+            self._rows(swa_slots, model.head_dim, swa_format) for _ in model.compress_ratios
+        ]
         self.page_hidden: torch.Tensor | None = None
         if mtp:
             self.swa.append(self._zeros(swa_slots, model.head_dim))
@@ -137,9 +146,7 @@ class KVPools:
         self.compressed: dict[int, torch.Tensor] = {}
         self.ring: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
-        self.index_scale: dict[int, torch.Tensor] = {}
         self.index_ring: dict[int, torch.Tensor] = {}
-        self.index_format = index_format
         for layer in model.kv_source_layers:
             ratio = model.compress_ratios[layer]
             slots, rows = cache.compressed_capacity(ratio), cache.ring_capacity(ratio)
@@ -147,7 +154,7 @@ class KVPools:
                 self.compressed[layer] = self._zeros(slots, model.head_dim)
             self.ring[layer] = self._state(rows, _row_width(model, ratio, model.head_dim))
             if model.is_sparse(ratio):
-                self._index_pool(layer, slots, model.index_dim)
+                self.index_keys[layer] = self._rows(slots, model.index_dim, index_format)
                 self.index_ring[layer] = self._state(
                     rows, _row_width(model, ratio, model.index_dim)
                 )
@@ -155,29 +162,28 @@ class KVPools:
         if track_late_swa:
             self.late_swa_valid = torch.zeros(swa_slots + 1, device=self.device, dtype=torch.bool)
 
-    def _index_pool(self, layer: int, slots: int, width: int) -> None:
-        if self.index_format is CacheFormat.BF16:
-            self.index_keys[layer] = self._zeros(slots, width)
-            return
+    def _rows(self, slots: int, width: int, fmt: CacheFormat) -> torch.Tensor:
+        """A pool of ``slots`` rows (+ the sentinel) in ``fmt``; a quantised one registers its
+        scales (`scale_of`)."""
+        if fmt is CacheFormat.BF16:
+            return self._zeros(slots, width)
         native = self.dtype if self.dtype != torch.float16 else torch.float32
-        rows = RowLayout(self.index_format, width, native).zeros(slots + 1, self.device)
-        self.index_keys[layer], self.index_scale[layer] = rows.values, rows.scales
+        rows = RowLayout(fmt, width, native).zeros(slots + 1, self.device)
+        self._scales.append((rows.values, rows.scales, fmt))
+        return rows.values
 
     def store(self, pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Writes ``rows`` at ``slots`` of ``pool`` (one of this object's tensors), quantised
-        when ``pool`` holds indexer keys in a quantised format."""
-        scale = self.scale_of(pool)
-        if scale is None:
-            pool[slots] = rows.to(pool.dtype)
-        else:
-            write_rows(pool, scale, slots, rows.to(self.state_dtype), self.index_format)
+        when ``pool`` is kept in a quantised format."""
+        for values, scales, fmt in self._scales:
+            if values is pool:
+                write_rows(pool, scales, slots, rows.to(self.state_dtype), fmt)
+                return
+        pool[slots] = rows.to(pool.dtype)
 
     def scale_of(self, pool: torch.Tensor) -> torch.Tensor | None:
-        """The row scales of ``pool`` if it holds quantised indexer keys, else None."""
-        for layer, keys in self.index_keys.items():
-            if keys is pool:
-                return self.index_scale.get(layer)
-        return None
+        """The row scales of ``pool`` if it is kept in a quantised format, else None."""
+        return next((scales for values, scales, _ in self._scales if values is pool), None)
 
     def _zeros(self, rows: int, width: int) -> torch.Tensor:
         return torch.zeros(rows + 1, width, device=self.device, dtype=self.dtype)
@@ -192,11 +198,13 @@ class KVPools:
 
     def nbytes(self) -> PoolBytes:
         def size(ts: list[torch.Tensor]) -> int:
-            return sum(t.numel() * t.element_size() for t in ts)
+            scales = [self.scale_of(t) for t in ts]
+            extra = [sc for sc in scales if sc is not None]
+            return sum(t.numel() * t.element_size() for t in ts + extra)
 
         return PoolBytes(
             swa=size(self.swa),
             compressed=size(list(self.compressed.values())),
-            index=size(list(self.index_keys.values()) + list(self.index_scale.values())),
+            index=size(list(self.index_keys.values())),
             rings=size(list(self.ring.values()) + list(self.index_ring.values())),
         )

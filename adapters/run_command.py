@@ -40,6 +40,7 @@ def build_runner(args: argparse.Namespace) -> Runner:
         speculative_tokens=args.speculative,
         memory_budget=_budget_bytes(args.memory_budget_gib),
         index_format=CacheFormat[args.index_format.upper()],
+        swa_format=CacheFormat[args.swa_format.upper()],
     )
 
 

@@ -166,8 +166,9 @@ class Runner:
     budget. A request whose one-token step would not fit is refused at `submit`
     (`MemoryBudgetError`, nothing queued).
 
-    ``index_format``: the cache format of the C4 indexer keys (`formats.CacheFormat.FP8`:
-    e4m3 with a power-of-two scale per row, half the bytes; docs/formats.md)."""
+    ``index_format`` / ``swa_format``: the cache format of the C4 indexer keys / of the window
+    KV (`formats.CacheFormat.FP8`: e4m3 with a power-of-two scale per row, about half the
+    bytes; docs/formats.md)."""
 
     def __init__(
         self,
@@ -185,6 +186,7 @@ class Runner:
         draft: DraftSource | None = None,
         memory_budget: int | None = None,
         index_format: CacheFormat = CacheFormat.BF16,
+        swa_format: CacheFormat = CacheFormat.BF16,
     ) -> None:
         self.device = resolve_device(device)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -217,6 +219,7 @@ class Runner:
             track_late_swa=tail_only,
             mtp=self._mtp,
             index_format=index_format,
+            swa_format=swa_format,
         )
         self.offload = None
         if hisparse_pages is not None:

@@ -1,7 +1,7 @@
 """Correctness and speed of the flash sparse attention (`adapters/kernels/attention.py`) on one
 GPU (made for an H200), against the old path in the same process.
 
-    python bench/attention.py [--json PATH] [--budget SECONDS] [--no-sweep]
+    python bench/attention.py [--json PATH] [--budget SECONDS] [--no-sweep] [--fp8-only]
     python bench/attention.py --smoke   # CPU, Triton interpreter, tiny fp32 shapes: the script
 
 DeepSeek-V4-Flash shapes: 64 heads, d = 512 (bf16 latent, key = value), window 128, scale
@@ -22,7 +22,11 @@ rows (slot table); prefill 4096 queries of one request with 512 selected rows ea
    one graph of that loop, replayed. TFLOP/s: ``4 H d`` per visible (query, row); TB/s: the
    logical traffic, every visible row once per query plus q, out and the indices (shared C128
    rows are re-read per query, from L2: there the figure exceeds HBM bandwidth).
-3. Sweeps (time permitting): split-K shares for decode, then a few launch configurations.
+3. FP8 window: the SWA pool quantised to FP8 (`adapters.formats.quantize`: e4m3 + one fp32
+   scale per row, ``window_scale``), checked as in 1 against the reference on the same FP8 pool
+   and timed next to the bf16 window, for decode B = 32 (C4) and the C4 prefill; every case on
+   its own, so one failure does not hide the other. ``--fp8-only`` runs just this part.
+4. Sweeps (time permitting): split-K shares for decode, then a few launch configurations.
 
 The JSON records the commit (``--commit``, else the tree's git HEAD; both, and the sha256 of the
 kernel and of this script), the command, the machine and the date.
@@ -53,6 +57,7 @@ if "--smoke" in sys.argv:  # before Triton is imported and the kernels are decor
 import torch  # noqa: E402
 
 from adapters import ops  # noqa: E402
+from adapters.formats import CacheFormat, quantize  # noqa: E402
 from adapters.kernels.attention_reference import sparse_attention_reference  # noqa: E402
 from adapters.kernels.rows import PoolRows  # noqa: E402
 
@@ -89,21 +94,31 @@ class Shape:
 class Case:
     """One shape: q, the pools and ``sets`` slot-table sets (window slots, mask, PoolRows)."""
 
-    def __init__(self, name, q, wkv, xkv, sink, scale, sets, old="gather") -> None:
+    def __init__(
+        self, name, q, wkv, xkv, sink, scale, sets, old="gather", window_scale=None
+    ) -> None:
         self.name, self.q, self.wkv, self.xkv = name, q, wkv, xkv
         self.sink, self.scale = sink, scale
         self.sets, self.old = sets, old
+        self.kwargs = {} if window_scale is None else {"window_scale": window_scale}
         ws, wm, extra = sets[0]
-        vis = wm.sum(1) + extra.lengths.clamp(0, extra.num_rows)
         n, h, d = q.shape
-        self.rows = int(vis.sum())
+        wrows, xrows = int(wm.sum()), int(extra.lengths.clamp(0, extra.num_rows).sum())
+        self.rows = wrows + xrows
         self.flops = 4 * h * d * self.rows
         e = q.element_size()
-        self.bytes = self.rows * (d * e + 8) + 2 * n * h * d * e + ws.numel()
+        wrow = d * wkv.element_size() + 8 + (0 if window_scale is None else 4)
+        xrow = d * xkv.element_size() + 8
+        self.bytes = wrows * wrow + xrows * xrow + 2 * n * h * d * e + ws.numel()
 
     def args(self, i):
         ws, wm, extra = self.sets[i % len(self.sets)]
         return (self.q, self.wkv, ws, wm, self.sink, self.scale, self.xkv, extra)
+
+    def with_fp8_window(self, values, scales) -> Case:
+        """The same shape and rows over an FP8 window pool (values + one scale per row)."""
+        return Case(self.name + " FP8 window", self.q, values, self.xkv, self.sink, self.scale,
+                    self.sets, self.old, window_scale=scales)  # fmt: skip
 
     @property
     def shape(self) -> str:
@@ -134,6 +149,8 @@ class Bench:
         self.rows: list[dict] = []
         self.checks: list[dict] = []
         self.sweep: list[dict] = []
+        self.fp8: list[dict] = []
+        self._fp8_pool: tuple[torch.Tensor, torch.Tensor] | None = None
         from adapters.kernels import attention
 
         self.att = attention
@@ -216,7 +233,7 @@ class Bench:
         """Kernel vs the fp32 reference on a subset of queries, in bf16 steps per row."""
         n = case.q.shape[0]
         idx = torch.linspace(0, n - 1, min(n, 64), device=self.dev).round().long().unique()
-        got = self.att.flash_sparse_attention(*case.args(0), **knobs)[idx].float()
+        got = self.att.flash_sparse_attention(*case.args(0), **case.kwargs, **knobs)[idx].float()
         q, wkv, ws, wm, sink, scale, xkv, extra = case.args(0)
         sub = (
             PoolRows(extra.table[idx], extra.lengths[idx], None, extra.slots_per_page)
@@ -224,7 +241,7 @@ class Bench:
             else PoolRows(extra.table, extra.lengths[idx], extra.qrow[idx], extra.slots_per_page)
         )
         truth = sparse_attention_reference(
-            q[idx].float(), wkv, ws[idx], wm[idx], sink, scale, xkv, sub
+            q[idx].float(), wkv, ws[idx], wm[idx], sink, scale, xkv, sub, **case.kwargs
         )
         rounded = truth.to(case.q.dtype).float()
         row_max = truth.abs().amax(-1, keepdim=True).clamp_min(1e-30)
@@ -311,7 +328,7 @@ class Bench:
 
     def time_impl(self, case: Case, impl: str, fn, sets=None, reps=None) -> dict:
         sets = len(case.sets) if sets is None else sets
-        fns = [lambda i=i: fn(*case.args(i)) for i in range(sets)]
+        fns = [lambda i=i: fn(*case.args(i), **case.kwargs) for i in range(sets)]
         row = dict(case=case.name, shape=case.shape, impl=impl, sets=sets, error=None)
         try:
             fns[0]()  # compiles
@@ -344,7 +361,7 @@ class Bench:
         return row
 
     def kernel_fn(self, **knobs):
-        return lambda *a: self.att.flash_sparse_attention(*a, **knobs)
+        return lambda *a, **kw: self.att.flash_sparse_attention(*a, **kw, **knobs)
 
     def cases(self) -> list[Case]:
         b1, b32 = self.s.batch
@@ -367,6 +384,32 @@ class Bench:
             self.time_impl(
                 case, "old " + case.old, old, sets=1 if heavy else None, reps=2 if heavy else None
             )
+
+    def fp8_window_pool(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The SWA pool in FP8 (values, per-row scales), quantised once."""
+        if self._fp8_pool is None:
+            fp8 = quantize(self.wkv, CacheFormat.FP8)
+            self._fp8_pool = (fp8.values, fp8.scales)
+        return self._fp8_pool
+
+    def fp8_window(self, cases) -> None:
+        """Each case with the FP8 window: checked, then timed right after its bf16 window."""
+        for case in cases:
+            try:
+                fp8 = case.with_fp8_window(*self.fp8_window_pool())
+            except Exception as exc:  # noqa: BLE001 - report and carry on
+                self.log(f"fp8 window {case.name} ERROR {_short(exc)}")
+                self.fp8.append(dict(case=case.name, error=_short(exc)))
+                continue
+            try:
+                chk = self.check(fp8)
+            except Exception as exc:  # noqa: BLE001
+                chk = dict(ok=False, error=_short(exc))
+                self.checks.append(dict(case=fp8.name, **chk))
+                self.log(f"check {fp8.name} ERROR {chk['error']}")
+            bf16 = self.time_impl(case, "flash, bf16 window", self.kernel_fn())
+            mine = self.time_impl(fp8, "flash, FP8 window", self.kernel_fn())
+            self.fp8.append(_fp8_row(case, bf16, mine, chk))
 
     def split_sweep(self, cases) -> None:
         for case in cases[:3]:
@@ -398,6 +441,18 @@ def _us(x) -> str:
 
 def _f(x, nd=1) -> str:
     return f"{x:.{nd}f}" if x else "-"
+
+
+def _fp8_row(case: Case, bf16: dict, fp8: dict, chk: dict) -> dict:
+    """The FP8 window against the bf16 one for ``case``: times, speed-ups and the check."""
+    error = fp8.get("error") or bf16.get("error")
+    row = dict(case=case.name, shape=case.shape, check_ok=chk.get("ok"), error=error)
+    row["check_steps"] = chk.get("max_steps")
+    for mode in ("eager", "graph"):
+        a, b = bf16.get(f"{mode}_us"), fp8.get(f"{mode}_us")
+        row.update({f"bf16_{mode}_us": a, f"fp8_{mode}_us": b})
+        row[f"{mode}_speedup"] = a / b if a and b else None
+    return row
 
 
 def _git(*args: str) -> str | None:
@@ -452,6 +507,17 @@ def report(bench: Bench) -> str:
             f"{_f(r.get('graph_tbps') or r.get('eager_tbps'), 2)} | {speed} |"
             + (f" ERROR {r['error']}" if r.get("error") else "")
         )
+    if bench.fp8:
+        out += ["", "| case | bf16 window µs (graph) | FP8 window µs (graph) | × bf16 | check |"]
+        out.append("|---|---:|---:|---:|---|")
+        for r in bench.fp8:
+            a = r.get("bf16_graph_us") or r.get("bf16_eager_us")
+            b = r.get("fp8_graph_us") or r.get("fp8_eager_us")
+            ok = {True: "ok", False: "FAIL", None: "-"}[r.get("check_ok")]
+            out.append(
+                f"| {r['case']} | {_f(a)} | {_f(b)} | {f'{a / b:.2f}' if a and b else ''} | {ok} |"
+                + (f" ERROR {r['error']}" if r.get("error") else "")
+            )
     return "\n".join(out)
 
 
@@ -461,6 +527,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=170.0, help="seconds before sweeps stop")
     p.add_argument("--no-sweep", action="store_true", help="skip the sweeps")
     p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes")
+    p.add_argument("--fp8-only", action="store_true", help="only the FP8-window part (3.)")
     p.add_argument("--commit", default=None, help="the commit (over the tree's own .git)")
     p.add_argument("--dirty", action="store_true", help="with --commit: the tree had changes")
     args = p.parse_args(argv)
@@ -476,16 +543,25 @@ def main(argv=None) -> int:
         info["seconds"] = round(bench.elapsed(), 1)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            data = dict(meta=info, checks=bench.checks, rows=bench.rows, sweep=bench.sweep)
+            data = dict(
+                meta=info, checks=bench.checks, rows=bench.rows, sweep=bench.sweep,
+                fp8_window=bench.fp8,
+            )  # fmt: skip
             args.json.write_text(json.dumps(data, indent=1))
 
-    cases = bench.cases()
-    parts = [
-        ("checks", lambda: [bench.check(c) for c in cases]),
-        ("fp32 check", bench.check_fp32),
-        ("timing", lambda: bench.main_part(cases)),
-    ]
-    if not args.no_sweep:
+    if args.fp8_only:
+        fp8_cases = [bench.decode_case(bench.s.batch[1], False), bench.prefill_case(False)]
+        parts = [("fp8 window", lambda: bench.fp8_window(fp8_cases))]
+        cases = []
+    else:
+        cases = bench.cases()
+        parts = [
+            ("checks", lambda: [bench.check(c) for c in cases]),
+            ("fp32 check", bench.check_fp32),
+            ("timing", lambda: bench.main_part(cases)),
+            ("fp8 window", lambda: bench.fp8_window([cases[1], cases[3]])),
+        ]
+    if not args.no_sweep and not args.fp8_only:
         parts += [("split sweep", lambda: bench.split_sweep(cases))]
         parts += [("config sweep", lambda: bench.config_sweep(cases))]
     for name, part in parts:

@@ -67,7 +67,7 @@ def corpus(path: str | None, need: int) -> bytes:
 
 
 def make_runner(
-    model, weights, context: int, batch: int, new: int, chunk: int, index_format: CacheFormat
+    model, weights, context: int, batch: int, new: int, chunk: int, fmt: CacheFormat
 ) -> Runner:
     """A runner whose full pool could hold every request unshared: admission control
     (`Runner._fits`) counts a request's whole length, not what it reuses; the prompt is
@@ -79,7 +79,7 @@ def make_runner(
     cc = model.cache_config(page_size=page, full_capacity=full, swa_capacity=swa)
     return Runner(model, cc, device=weights.device, dtype=weights.dtype, weights=weights,
                   chunk_tokens=chunk, max_running=max(batch, 1),
-                  index_format=index_format)  # fmt: skip
+                  index_format=fmt, swa_format=fmt)  # fmt: skip
 
 
 def prefill_point(runner: Runner, prompt: list[int], new: int) -> dict[str, float]:
@@ -133,12 +133,10 @@ def point(args, model, weights, data: bytes, context: int) -> dict:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    fmt = CacheFormat[args.index_format.upper()]
+    fmt = CacheFormat[args.kv_format.upper()]
     runner = make_runner(model, weights, context, args.batch, args.new_tokens, args.chunk, fmt)
     digest = hashlib.sha256(bytes(t for t in prompt if t < 256)).hexdigest()[:16]
-    row: dict[str, object] = dict(
-        index_format=args.index_format, context=len(prompt), sha256=digest
-    )
+    row: dict[str, object] = dict(kv_format=args.kv_format, context=len(prompt), sha256=digest)
     row.update(prefill_point(runner, prompt, args.new_tokens))
     if args.batch:
         row.update(batch_point(runner, prompt, data, args.batch, args.new_tokens))
@@ -161,7 +159,8 @@ def main() -> int:
     ap.add_argument("--file", default=None, help="prompt text (default: the stdlib sources)")
     ap.add_argument("--paths", default="kernels", help="kernels, torch or both")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--index-format", default="bf16", choices=("bf16", "fp8"))
+    ap.add_argument("--kv-format", default="bf16", choices=("bf16", "fp8"),
+                    help="format of the window KV and the indexer keys")  # fmt: skip
     ap.add_argument("--device", default="cuda", help="cuda (bf16) or cpu (fp32, a smoke run)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():

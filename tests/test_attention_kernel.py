@@ -5,7 +5,8 @@ broken, so bf16 pools are only loaded and upcast). See `interpreted` for how the
 is switched on.
 
 Exactness: the kernel equals the fp32 reference within fp32 rounding (``2e-5``); a query with
-nothing visible gives exactly 0.
+nothing visible gives exactly 0. An FP8 window pool (`adapters.formats.quantize`, one scale per
+row) is the same attention as its dequantised pool passed as an fp32 / bf16 / fp64 window.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import pytest
 import torch
 from interpreted import interpreted_modules, run_check
 
+from adapters.formats import CacheFormat, dequantize, quantize
+from adapters.kernels import sparse_attention
 from adapters.kernels.attention_reference import sparse_attention_reference as reference
 from adapters.kernels.rows import PoolRows
 
@@ -36,6 +39,15 @@ def _case(n, h, d, w, seed, *, s1=40, s2=60, dtype=torch.float32):
     sink = torch.randn(h, generator=g, dtype=dtype)
     xkv = torch.randn(s2, d, generator=g, dtype=dtype)
     return q, wkv, slots, mask, sink, xkv
+
+
+def _fp8_pool(s1, d, seed):
+    """An FP8 window pool ``(values, scales)`` of rows spread over 2**-8 .. 2**8 (distinct
+    scales), and its exact dequantisation in fp32."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(s1, d, generator=g) * torch.exp2(torch.randint(-8, 9, (s1, 1), generator=g))
+    fp8 = quantize(rows, CacheFormat.FP8)
+    return fp8.values, fp8.scales, dequantize(fp8, torch.float32)
 
 
 def _scrub(slots, mask):
@@ -103,6 +115,39 @@ def test_reference_nothing_visible_gives_zero():
     assert torch.equal(out, torch.zeros_like(out))
     with pytest.raises(ValueError, match="together"):
         reference(q, wkv, slots, mask, sink, 0.5, xkv, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_reference_fp8_window_is_its_dequantised_pool(dtype):
+    """FP8 rows times their scales, then the same arithmetic as the dequantised pool passed as
+    the window (bit for bit: the dequantisation is exact in fp32, bf16 and fp64), with and
+    without extra rows and tiles of one query; fp64 also against the literal loop."""
+    n, h, d, w = 5, 3, 16, 6
+    q, _, slots, mask, sink, xkv = _case(n, h, d, w, 11, dtype=dtype)
+    values, scales, pool = _fp8_pool(40, d, 12)
+    extra = PoolRows(torch.randint(0, 60, (n, 7)), torch.tensor([7, 0, 3, 9, 5]))
+    for x, e in ((None, None), (xkv, extra)):
+        got = reference(q, values, slots, mask, sink, 0.3, x, e, window_scale=scales)
+        for window in (pool.to(dtype), pool.bfloat16()):
+            assert torch.equal(got, reference(q, window, slots, mask, sink, 0.3, x, e))
+        tiled = reference(
+            q, values, slots, mask, sink, 0.3, x, e, window_scale=scales, tile_bytes=1
+        )
+        assert torch.equal(tiled, got) and got.dtype == dtype
+        dispatched = sparse_attention(q, values, slots, mask, sink, 0.3, x, e, window_scale=scales)
+        assert torch.equal(dispatched, got)  # CPU tensors: the reference
+    if dtype == torch.float64:
+        want = _literal(q, pool.double(), slots, mask, sink, 0.3, xkv, extra)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_window_scale_errors():
+    q, wkv, slots, mask, sink, _ = _case(3, 2, 16, 4, 13)
+    values, scales, _ = _fp8_pool(40, 16, 14)
+    for window, scale in ((values, None), (values, scales[:-1]), (values, scales.double()),
+                          (values, scales.bfloat16()), (wkv, scales)):  # fmt: skip
+        with pytest.raises(ValueError, match="window_scale"):
+            reference(q, window, slots, mask, sink, 0.5, window_scale=scale)
 
 
 # ------------------------------------------------------------- Triton, under the interpreter
@@ -199,6 +244,34 @@ def check_half_inputs(att):
     torch.testing.assert_close(got.float(), want.float(), rtol=4e-3, atol=4e-3)
 
 
+def check_fp8_window(att):
+    """An FP8 window pool (bytes + one scale per row, masked slots and their scales never
+    read) under fp32 queries with fp32 extra rows, split-K too, and under fp16 queries with
+    bf16 extra rows (the exact fp32 path: a dequantised row need not fit fp16); the scales'
+    checks."""
+    n, h, d, w = 5, 3, 24, 6
+    q, _, slots, mask, sink, xkv = _case(n, h, d, w, 15)
+    values, scales, _ = _fp8_pool(40, d, 16)
+    extra = PoolRows(torch.randint(0, 60, (n, 8)), torch.tensor([8, 0, 3, 5, 1]))
+    want = reference(q, values, slots, mask, sink, 0.3, xkv, extra, window_scale=scales)
+    far = _scrub(slots, mask)
+    for knobs in ({}, {"splits": 3}):
+        got = att.flash_sparse_attention(
+            q, values, far, mask, sink, 0.3, xkv, extra, window_scale=scales, **knobs
+        )
+        _same(got, want)
+    q16, x16 = q.half(), xkv.bfloat16()
+    want = reference(q16, values, slots, mask, sink, 0.3, x16, extra, window_scale=scales)
+    got = att.flash_sparse_attention(
+        q16, values, far, mask, sink, 0.3, x16, extra, window_scale=scales
+    )
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-3, atol=1e-3)
+    for window, scale in ((values, None), (values, scales[:3]), (xkv[:40], scales)):
+        with pytest.raises(ValueError, match="window_scale"):
+            att.flash_sparse_attention(q, window, slots, mask, sink, 0.3, window_scale=scale)
+
+
 def check_empty_and_errors(att):
     q, wkv, slots, mask, sink, xkv = _case(2, 2, 16, 3, 9)
     extra = PoolRows(torch.zeros(2, 4, dtype=torch.long), torch.tensor([4, 1]))
@@ -259,6 +332,7 @@ CHECKS = [
     "check_shared_page_table",
     "check_head_blocks_and_bf16_pools",
     "check_half_inputs",
+    "check_fp8_window",
     "check_empty_and_errors",
     "check_launch_config",
 ]

@@ -46,7 +46,8 @@ def _check_runner(graph: bool, fmt: CacheFormat, indexer, attention) -> None:
 
     def run() -> None:
         r = Runner(SHORT, cc, device="cpu", dtype=torch.float32, weights=weights,
-                   chunk_tokens=16, graph_decode=graph, index_format=fmt)  # fmt: skip
+                   chunk_tokens=16, graph_decode=graph, index_format=fmt,
+                   swa_format=fmt)  # fmt: skip
         r.on_logits = lambda results, logits: rows.extend(
             (res.prompt + res.output, logits[i].clone()) for i, res in enumerate(results)
         )
@@ -54,7 +55,7 @@ def _check_runner(graph: bool, fmt: CacheFormat, indexer, attention) -> None:
 
     _with_kernels(indexer, attention, run)
     assert len(rows) == len(PROMPTS) * 3
-    tol = 2e-4 if fmt is CacheFormat.BF16 else 0.1  # FP8 keys: the reference keeps fp32 keys
+    tol = 2e-4 if fmt is CacheFormat.BF16 else 0.1  # FP8: the reference keeps fp32 keys
     for seq, got in rows:
         want = reference_logits(weights, seq)[-1]
         diff = (got - want).abs().max().item()
@@ -69,11 +70,11 @@ def check_graph_decode(indexer, attention) -> None:
     _check_runner(True, CacheFormat.BF16, indexer, attention)
 
 
-def check_fp8_index_keys(indexer, attention) -> None:
+def check_fp8_pools(indexer, attention) -> None:
     _check_runner(True, CacheFormat.FP8, indexer, attention)
 
 
-CHECKS = ["check_paged_prefill_and_decode", "check_graph_decode", "check_fp8_index_keys"]
+CHECKS = ["check_paged_prefill_and_decode", "check_graph_decode", "check_fp8_pools"]
 
 
 @pytest.mark.parametrize("name", CHECKS)

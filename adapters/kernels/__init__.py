@@ -170,15 +170,20 @@ def sparse_attention(
     scale: float,
     extra_kv: torch.Tensor | None = None,
     extra: PoolRows | None = None,
+    *,
+    window_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(N, H, d)`` attention of ``q`` over its window rows, its ``extra`` rows and the sink,
-    keys read in place from their pools; see `attention_reference.sparse_attention_reference`."""
+    keys read in place from their pools (an FP8 window pool with ``window_scale``, one fp32
+    scale per pool row); see `attention_reference.sparse_attention_reference`."""
     if SPARSE_KERNELS and use_triton(q) and q.dtype != torch.float64:  # pragma: no cover
         from .attention import flash_sparse_attention
 
         return flash_sparse_attention(
-            q, window_kv, window_slots, window_mask, sink, scale, extra_kv, extra
-        )
+            q, window_kv, window_slots, window_mask, sink, scale, extra_kv, extra,
+            window_scale=window_scale,
+        )  # fmt: skip
     return sparse_attention_reference(
-        q, window_kv, window_slots, window_mask, sink, scale, extra_kv, extra
-    )
+        q, window_kv, window_slots, window_mask, sink, scale, extra_kv, extra,
+        window_scale=window_scale,
+    )  # fmt: skip

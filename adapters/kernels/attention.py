@@ -30,6 +30,12 @@ sink logit per head in the denominator only; a query with nothing visible gives 
 * 16-bit inputs (all of one dtype) go to the tensor cores as they are, ``P`` rounded to that
   dtype for the second product (as flash attention does); anything else is upcast to fp32 after
   the loads and multiplied exactly (``input_precision="ieee"``). Offsets are int64.
+* An FP8 window pool (``float8_e4m3fn`` + ``window_scale``, one fp32 scale per row): a tile's
+  bytes and its visible rows' scales are loaded, dequantised in fp32 (``fp8 * scale``) and then
+  rounded to the compute dtype; the tile is key and value as any other. A dequantised row (a
+  4-bit significand times a power of two) is exact in bf16 (fp32's exponents) but not in fp16,
+  so the window counts as bf16 in the dtype rule above: bf16 q and extra rows stay on the tensor
+  cores, fp16 q goes the exact fp32 way.
 * Defaults from one H200 sweep (`bench/attention.py`, ``bench/results/attention_h200.json``,
   CUDA-graph timings): 3 stages beat 2 by 1.08x (decode B=32, C4), 1.43x (prefill 4096 x 512
   C4 rows) and 1.36x (prefill, shared C128) and beat ``BLOCK_K`` 16 / 64 and ``BLOCK_H`` 32;
@@ -52,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_reference import FP8_WINDOW_DTYPES, check_window_scale
 from .rows import PoolRows
 
 __all__ = ["SPLIT_MIN_ROWS", "flash_sparse_attention", "launch_config"]
@@ -91,6 +98,7 @@ def _attention_kernel(
     wkv_ptr,
     wslot_ptr,
     wmask_ptr,
+    wscale_ptr,
     sink_ptr,
     xkv_ptr,
     table_ptr,
@@ -120,6 +128,7 @@ def _attention_kernel(
     SPLIT: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
     HAS_QROW: tl.constexpr,
+    HAS_WSCALE: tl.constexpr,
     UPCAST: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -159,6 +168,9 @@ def _attention_kernel(
             mask=_tile_mask(ok, cols, D, BLOCK_D),
             other=0.0,
         )
+        if HAS_WSCALE:  # FP8 rows: dequantised in fp32, then in q's compute dtype
+            row_scale = tl.load(wscale_ptr + slot, mask=ok, other=0.0)
+            k = (k.to(tl.float32) * row_scale[:, None]).to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
         m, lsum, acc = _update(q, k, ok, m, lsum, acc, qk_scale, PREC)
@@ -278,9 +290,10 @@ def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check(q, window_kv, window_slots, window_mask, sink, extra_kv, extra) -> None:
+def _check(q, window_kv, window_slots, window_mask, sink, extra_kv, extra, window_scale) -> None:
     if (extra_kv is None) != (extra is None):
         raise ValueError("extra_kv and extra go together")
+    check_window_scale(window_kv, window_scale)
     if q.dim() != 3:
         raise ValueError(f"q {tuple(q.shape)} must be (N, H, d)")
     n, h, d = q.shape
@@ -316,19 +329,25 @@ def flash_sparse_attention(
     scale: float,
     extra_kv: torch.Tensor | None = None,
     extra: PoolRows | None = None,
+    *,
+    window_scale: torch.Tensor | None = None,
     **knobs: int | None,
 ) -> torch.Tensor:
     """``(N, H, d)`` attention of ``q`` (its dtype) over its window rows ``window_kv
     [window_slots[n, j]]`` where ``window_mask[n, j]``, its ``extra`` rows of ``extra_kv`` and
     the sink; the same maths as `attention_reference.sparse_attention_reference`, in one
-    launch (two with split-K). Masked window slots and rows past a length are never read.
-    Nothing is synchronised with the host (CUDA-graph safe). ``knobs`` (``block_h``,
+    launch (two with split-K). An FP8 ``window_kv`` takes ``window_scale`` ``(S1,)`` (fp32, one
+    per pool row). Masked window slots (and their scales) and rows past a length are never
+    read. Nothing is synchronised with the host (CUDA-graph safe). ``knobs`` (``block_h``,
     ``block_k``, ``num_warps``, ``num_stages``, ``splits``) override `launch_config`. Raises
-    `ValueError` for inconsistent shapes, a lone ``extra_kv`` or ``extra``, and fp64 inputs."""
-    _check(q, window_kv, window_slots, window_mask, sink, extra_kv, extra)
+    `ValueError` for inconsistent shapes, a lone ``extra_kv`` or ``extra``, an FP8 window
+    without its scales (or scales without one), and fp64 inputs."""
+    _check(q, window_kv, window_slots, window_mask, sink, extra_kv, extra, window_scale)
     n, h, d = q.shape
     w, g = window_slots.shape[1], (extra.num_rows if extra is not None else 0)
-    dtypes = {q.dtype, window_kv.dtype} | ({extra_kv.dtype} if extra_kv is not None else set())
+    fp8 = window_kv.dtype in FP8_WINDOW_DTYPES
+    dtypes = {q.dtype, torch.bfloat16 if fp8 else window_kv.dtype}
+    dtypes |= {extra_kv.dtype} if extra_kv is not None else set()
     upcast = len(dtypes) > 1 or q.dtype not in _HALF
     cfg = launch_config(n, h, d, w + g, q.device, upcast, **knobs)
     out = torch.empty((n, h, d), dtype=q.dtype, device=q.device)
@@ -338,17 +357,18 @@ def flash_sparse_attention(
     wmask = _rowmajor(window_mask)
     wmask = wmask.view(torch.uint8) if wmask.dtype == torch.bool else wmask
     xkv, table, lengths, qrow, spp = _extra_args(extra_kv, extra, window_slots)
+    wscale = window_scale.contiguous() if window_scale is not None else sink
     splits = cfg.pop("splits")
     part = pm = pl = out
     if splits > 1:
         part = torch.empty((n, splits, h, d), dtype=torch.float32, device=q.device)
         pm, pl = torch.empty((2, n, splits, h), dtype=torch.float32, device=q.device)
     _attention_kernel[(n, triton.cdiv(h, cfg["BLOCK_H"]), splits)](
-        q, window_kv, window_slots, wmask, sink, xkv, table, lengths, qrow, out, part, pm, pl,
-        h, w, g, spp, splits, float(scale) * _LOG2E, q.stride(0), q.stride(1),
+        q, window_kv, window_slots, wmask, wscale, sink, xkv, table, lengths, qrow, out, part,
+        pm, pl, h, w, g, spp, splits, float(scale) * _LOG2E, q.stride(0), q.stride(1),
         window_kv.stride(0), window_slots.stride(0), wmask.stride(0), xkv.stride(0),
         table.stride(0), D=d, SPLIT=splits > 1, HAS_EXTRA=extra is not None,
-        HAS_QROW=extra is not None and extra.qrow is not None, UPCAST=upcast,
+        HAS_QROW=extra is not None and extra.qrow is not None, HAS_WSCALE=fp8, UPCAST=upcast,
         PREC="ieee" if upcast else "tf32", **cfg,
     )  # fmt: skip
     if splits > 1:
