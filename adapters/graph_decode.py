@@ -40,41 +40,13 @@ class StreamMeta:
     visible: torch.Tensor  # (B, G): entries up to the bucket's context; complete ones visible
     slots_per_page: int
 
-    def all_entries(self, pool: torch.Tensor) -> torch.Tensor:
-        """``(B, G, width)`` rows of every entry. With ``page_size >= ratio`` a virtual page's
-        entries are ``slots_per_page`` consecutive slots (shadow arithmetic), so whole pages
-        are gathered: 16x fewer, 16x larger reads than one gather per entry for C4 at page 64."""
-        width = pool.shape[1]
-        if self.read_pages is None:
-            assert self.read_slots is not None
-            b = self.read_slots.shape[0]
-            return pool.index_select(0, self.read_slots.flatten()).view(b, -1, width)
-        spp = self.slots_per_page
-        paged = pool[:-1].view(-1, spp * width)  # drop the sentinel row: whole pages only
-        b = self.read_pages.shape[0]
-        return paged.index_select(0, self.read_pages.flatten()).view(b, -1, width)
-
     def rows(self, qrow: torch.Tensor | None = None) -> PoolRows:
         """Every visible entry of each query row's request, read in place through the page
         table (``page_size >= ratio``) or the slot table; ``qrow``: the batch row of each
         query row (None: one query per batch row)."""
-        return entry_rows(self.read_pages, self.read_slots, self.visible, self.slots_per_page, qrow)
-
-
-def entry_rows(
-    read_pages: torch.Tensor | None,
-    read_slots: torch.Tensor | None,
-    visible: torch.Tensor,
-    slots_per_page: int,
-    qrow: torch.Tensor | None,
-) -> PoolRows:
-    """`PoolRows` of a graph step's stream: the page table or the slot table, and each query
-    row's visible prefix (``visible`` ``(N, G)``)."""
-    lengths = visible.sum(-1)
-    if read_pages is None:
-        assert read_slots is not None
-        return PoolRows(read_slots, lengths, qrow, 1, visible.shape[1])
-    return PoolRows(read_pages, lengths, qrow, slots_per_page, visible.shape[1])
+        return PoolRows.of_tables(
+            self.read_pages, self.read_slots, self.visible, self.slots_per_page, qrow
+        )
 
 
 @dataclass(frozen=True)

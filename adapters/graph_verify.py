@@ -41,7 +41,6 @@ from .graph_decode import (
     _bucket,
     _page_lookup,
     _with_late_mask,
-    entry_rows,
 )
 from .kernels import PoolRows
 from .model import final_hidden, head_logits
@@ -103,7 +102,9 @@ class VerifyStreamMeta:
 
     def rows(self, qrow: torch.Tensor | None = None) -> PoolRows:
         """Every visible entry of each query row (see `StreamMeta.rows`)."""
-        return entry_rows(self.read_pages, self.read_slots, self.visible, self.slots_per_page, qrow)
+        return PoolRows.of_tables(
+            self.read_pages, self.read_slots, self.visible, self.slots_per_page, qrow
+        )
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,51 @@ def step_memory(model: ModelConfig, dtype: torch.dtype) -> StepMemory:
     return StepMemory(per_token=per_token, per_entry=per_entry, logits_tile=LOGITS_TILE_BYTES)
 
 
+@dataclass(frozen=True)
+class PrefillBudget:
+    """A runner's step-memory model and budget (``None``: no budget). Raises `ValueError` for a
+    budget that is not a positive number of bytes."""
+
+    model: ModelConfig
+    memory: StepMemory
+    budget: int | None
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and self.budget < 1:
+            raise ValueError("memory_budget must be a positive number of bytes")
+
+    def check(self, total_len: int, step_tokens: int = 1) -> None:
+        """Raises `MemoryBudgetError` if a request of ``total_len`` tokens cannot run even a
+        ``step_tokens``-token step within the budget."""
+        if self.budget is None:
+            return
+        need = self.memory.peak(step_tokens, visible_entries(self.model, total_len))
+        if need > self.budget:
+            raise MemoryBudgetError(
+                f"a {total_len}-token request needs {need / 2**30:.2f} GiB of step memory for "
+                f"{step_tokens} token(s); the runner's budget is {self.budget / 2**30:.2f} GiB "
+                "(raise memory_budget or free device memory)"
+            )
+
+    def step_tokens(self, entries: int, most: int) -> int:
+        """Tokens (at most ``most``) a step over requests with ``entries`` visible entries may
+        hold."""
+        if self.budget is None:
+            return most
+        return self.memory.max_tokens(self.budget, entries, limit=most)
+
+
+def prefill_budget(
+    model: ModelConfig, dtype: torch.dtype, device: torch.device, budget: int | None
+) -> PrefillBudget:
+    """The budget a runner gets: ``budget``, or on CUDA 85 % of the memory free now (call it
+    once pools, weights and graph buffers are allocated), or none."""
+    if budget is None:
+        free = free_device_memory(device)
+        budget = None if free is None else int(0.85 * free)  # pragma: no cover - needs a GPU
+    return PrefillBudget(model, step_memory(model, dtype), budget)
+
+
 def visible_entries(model: ModelConfig, context_len: int) -> int:
     """Compressed entries a request of ``context_len`` tokens reads, over every stream."""
     return sum(context_len // r for r in model.ratios)

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .sink import acc_dtype, sink_attention  # noqa: F401 - re-exported: the attention maths
 from .weights import Compressor, HyperConnection
-
-
-def acc_dtype(t: torch.Tensor) -> torch.dtype:
-    """Accumulation type: fp64 stays fp64 (exact tests), everything else computes in fp32."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -148,21 +144,6 @@ def topk_lowest_index(
     keys = (ordered - 0x80000000) * (1 << 32) + (0xFFFFFFFF - index)
     indices = torch.topk(keys, k, dim=-1).indices
     return torch.gather(scores, -1, indices), indices
-
-
-def sink_attention(
-    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Attention of ``q (N, H, d)`` over ``keys (N, K, d)`` (also the values) where ``mask``
-    ``(N, K)`` is true, plus one learned sink logit per head in the denominator only."""
-    dt = acc_dtype(q)
-    logits = torch.einsum("nhd,nkd->nhk", q.to(dt), keys.to(dt)) * scale
-    logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-    sink_l = sink.to(dt)[None, :, None].expand(logits.shape[0], -1, 1)
-    m = torch.maximum(logits.amax(-1, keepdim=True), sink_l)
-    p = torch.exp(logits - m)
-    denom = p.sum(-1, keepdim=True) + torch.exp(sink_l - m)
-    return (torch.einsum("nhk,nkd->nhd", p, keys.to(dt)) / denom).to(q.dtype)
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor):

@@ -31,7 +31,7 @@ from shadowradix.request import Request
 from .device import resolve_device
 from .formats import CacheFormat
 from .graph_decode import GraphDecoder
-from .memory_plan import MemoryBudgetError, free_device_memory, step_memory, visible_entries
+from .memory_plan import prefill_budget, visible_entries
 from .model_config import ModelConfig
 from .mtp import resume_hidden, run_step_mtp
 from .paged import build_step, run_step, run_tail_only_step
@@ -253,8 +253,7 @@ class Runner:
             if draft is not None
             else None
         )
-        self.memory = step_memory(model, dtype)
-        self.memory_budget = _memory_budget(memory_budget, self.device)
+        self.memory = prefill_budget(model, dtype, self.device, memory_budget)
         self._step_hidden: torch.Tensor | None = None
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
@@ -310,25 +309,8 @@ class Runner:
                 f"exceeds the full pool ({self.cache.config.full_capacity} tokens): "
                 "it could never run"
             )
-        self._check_memory(total)
+        self.memory.check(total, 1 + self.spec_tokens)
         return tokens
-
-    def _check_memory(self, total: int) -> None:
-        if self.memory_budget is None:
-            return
-        need = self.memory.peak(1 + self.spec_tokens, visible_entries(self.model, total))
-        if need > self.memory_budget:
-            raise MemoryBudgetError(
-                f"a {total}-token request needs {need / 2**30:.2f} GiB of step memory for one "
-                f"token; the runner's budget is {self.memory_budget / 2**30:.2f} GiB "
-                "(raise memory_budget or free device memory)"
-            )
-
-    def _memory_cap(self, entries: int) -> int:
-        """Tokens a prefill step over requests with ``entries`` visible entries may hold."""
-        if self.memory_budget is None:
-            return self.chunk_tokens
-        return self.memory.max_tokens(self.memory_budget, entries)
 
     @property
     def num_pending(self) -> int:
@@ -560,7 +542,7 @@ class Runner:
                 continue
             entries += visible_entries(self.model, len(seq.tokens))
             taken = self.chunk_tokens - budget
-            want = min(budget, max(0, self._memory_cap(entries) - taken))
+            want = min(budget, max(0, self.memory.step_tokens(entries, self.chunk_tokens) - taken))
             chunk = seq.req.prompt_remaining[: self._fit_tokens(seq, want, pages_left)].tolist()
             if not chunk:
                 break
@@ -714,15 +696,6 @@ class Runner:
         """Results of `submit`ted requests that finished inside a `generate` call."""
         out, self._unclaimed = self._unclaimed, []
         return out
-
-
-def _memory_budget(budget: int | None, device: torch.device) -> int | None:
-    if budget is not None:
-        if budget < 1:
-            raise ValueError("memory_budget must be a positive number of bytes")
-        return budget
-    free = free_device_memory(device)
-    return None if free is None else int(0.85 * free)  # pragma: no cover - needs a GPU
 
 
 def _check_tail_only(model: ModelConfig, tail_only: bool) -> bool:

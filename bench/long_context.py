@@ -142,9 +142,9 @@ def point(args, model, weights, data: bytes, context: int) -> dict:
         row.update(batch_point(runner, prompt, data, args.batch, args.new_tokens))
     row["prefill_tokens"] = runner.stats.prefill_tokens  # the batch's reuse shows here
     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    step = runner.memory.peak(args.chunk, sum(len(prompt) // r for r in model.ratios))
+    step = runner.memory.memory.peak(args.chunk, sum(len(prompt) // r for r in model.ratios))
     row["predicted_step_gib"] = step / 2**30
-    row["budget_gib"] = (runner.memory_budget or 0) / 2**30
+    row["budget_gib"] = (runner.memory.budget or 0) / 2**30
     del runner
     return row
 

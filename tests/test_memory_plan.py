@@ -56,7 +56,7 @@ def test_prefill_steps_are_sized_to_the_budget() -> None:
     many tokens (fewer as a longer context's tables take their share), and the output equals
     an unbudgeted run's."""
     free = _runner(None)
-    m = free.memory
+    m = free.memory.memory
     prompt = [(7 * i) % 250 for i in range(90)]
     entries = visible_entries(SHORT, 91)
     budget = m.peak(10, entries)

@@ -14,7 +14,7 @@ The latent is both key and value (DeepSeek-V4's shared KV)::
     out[n, h] = sum_k p * k
 
 fp64 computes in fp64, everything else in fp32; the output has ``q``'s dtype. The reference
-gathers the keys of a tile of queries at a time and runs the model's `ops.sink_attention` on
+gathers the keys of a tile of queries at a time and runs the model's `sink.sink_attention` on
 ``cat(window, extra)``, so its memory is bounded by the tile and its arithmetic is the one every
 forward of the model used before (bit for bit in fp64).
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
+from ..sink import acc_dtype, sink_attention
 from .rows import PoolRows
 
 FP8_WINDOW_DTYPES = (torch.float8_e4m3fn,)
@@ -69,7 +69,7 @@ def sparse_attention_reference(
     check_window_scale(window_kv, window_scale)
     n, _, d = q.shape
     width = window_slots.shape[1] + (extra.num_rows if extra is not None else 0)
-    dt = ops.acc_dtype(q)
+    dt = acc_dtype(q)
     elem = dt.itemsize
     step = max(1, tile_bytes // max(1, width * d * elem))
     out = torch.empty_like(q)
@@ -81,5 +81,5 @@ def sparse_attention_reference(
             part = extra.select(slice(a, b))
             keys = torch.cat((keys, extra_kv[part.slots()]), dim=1)
             mask = torch.cat((mask, part.mask()), dim=1)
-        out[a:b] = ops.sink_attention(q[a:b], keys, mask, sink, scale)
+        out[a:b] = sink_attention(q[a:b], keys, mask, sink, scale)
     return out
