@@ -90,3 +90,15 @@ def test_a_request_that_cannot_fit_is_refused_and_nothing_changes() -> None:
 def test_budget_must_be_positive() -> None:
     with pytest.raises(ValueError, match="memory_budget"):
         _runner(0)
+
+
+def test_prefill_budget_without_a_budget_limits_nothing() -> None:
+    from adapters.memory_plan import PrefillBudget, prefill_budget
+
+    b = prefill_budget(SHORT, torch.float32, torch.device("cpu"), None)
+    assert b.budget is None and b.step_tokens(10**9, 77) == 77
+    b.check(10**9)  # no budget: nothing to refuse
+    tight = PrefillBudget(SHORT, b.memory, b.memory.peak(3, visible_entries(SHORT, 100)))
+    assert tight.step_tokens(visible_entries(SHORT, 100), 64) == 3
+    with pytest.raises(MemoryBudgetError, match="4 token"):
+        tight.check(100, step_tokens=4)
