@@ -46,9 +46,10 @@ def add_run_parser(sub) -> None:
     run.add_argument("--max-running", type=int, default=32)
     run.add_argument(
         "--index-format",
-        choices=("bf16", "fp8"),
+        choices=("bf16", "fp8", "fp4"),
         default="bf16",
-        help="cache format of the C4 indexer keys (fp8: e4m3 with a scale per row)",
+        help="cache format of the C4 indexer keys (fp8: e4m3 with a scale per row; fp4: V4.1 "
+        "e2m1 with a scale per 32 channels, torch path only)",
     )
     run.add_argument(
         "--swa-format",

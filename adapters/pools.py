@@ -110,9 +110,10 @@ class KVPools:
     ``index_format`` / ``swa_format``: the cache format (`formats.CacheFormat`) of the indexer
     keys / of the main layers' window KV: ``BF16`` keeps them in ``dtype``; ``FP8`` stores e4m3
     values in the pool tensor (``index_keys[layer]``, ``swa[layer]``) and one fp32 scale per row
-    beside it (`scale_of`). Writers go through `store`, which quantises (the same rounding in
-    prefill, decode and verify); the kernels dequantise as they read. The MTP layer's window
-    stays in ``dtype``."""
+    beside it (`scale_of`); ``FP4`` (indexer keys only, V4.1) packs e2m1 codes two per byte
+    with one fp32 scale per 32 channels. Writers go through `store`, which quantises (the same
+    rounding in prefill, decode and verify); the kernels dequantise as they read. The MTP
+    layer's window stays in ``dtype``."""
 
     def __init__(
         self,
@@ -126,8 +127,8 @@ class KVPools:
         index_format: CacheFormat = CacheFormat.BF16,
         swa_format: CacheFormat = CacheFormat.BF16,
     ) -> None:
-        if CacheFormat.FP4 in (index_format, swa_format):
-            raise ValueError("FP4 pools are not read by the kernels yet: use BF16 or FP8")
+        if swa_format is CacheFormat.FP4:
+            raise ValueError("FP4 window KV is not supported (FP4 is a V4.1 indexer-key format)")
         if cache.window != model.window or cache.compress_ratios != model.compress_ratios:
             raise ValueError("cache config does not match the model (window / compress_ratios)")
         self.model, self.cache = model, cache

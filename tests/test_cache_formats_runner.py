@@ -4,6 +4,8 @@ and the byte arithmetic."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from small_models import SHORT
@@ -99,8 +101,42 @@ def test_fp8_halves_the_window_and_indexer_bytes() -> None:
     assert pools.scale_of(pools.ring[next(iter(pools.ring))]) is None
 
 
-@pytest.mark.parametrize("which", ["index_format", "swa_format"])
-def test_fp4_pools_are_refused(which: str) -> None:
+def test_fp4_window_kv_is_refused() -> None:
     cc = SHORT.cache_config(page_size=4, full_capacity=64, swa_capacity=64)
-    with pytest.raises(ValueError, match="FP4"):
-        KVPools(SHORT, cc, "cpu", torch.float32, **{which: CacheFormat.FP4})
+    with pytest.raises(ValueError, match="FP4 window KV"):
+        KVPools(SHORT, cc, "cpu", torch.float32, swa_format=CacheFormat.FP4)
+
+
+FP4_MODEL = replace(SHORT, index_dim=32, name="short-fp4")  # FP4 blocks are 32 channels
+
+
+def test_fp4_indexer_keys_through_the_runner() -> None:
+    """V4.1's FP4 indexer keys (e2m1 packed two per byte, a scale per 32 channels): prefill and
+    decode store the same bytes, the logits stay close to native keys', and the pool costs
+    16 + 4 bytes per 32-channel key."""
+    cc = FP4_MODEL.cache_config(page_size=4, full_capacity=512, swa_capacity=256)
+    weights = init_weights(FP4_MODEL, "cpu", torch.float64)
+
+    def runner(fmt: CacheFormat, chunk: int = 64) -> Runner:
+        return Runner(FP4_MODEL, cc, device="cpu", dtype=torch.float64, weights=weights,
+                      chunk_tokens=chunk, graph_decode=True, index_format=fmt)  # fmt: skip
+
+    decoded = runner(CacheFormat.FP4)
+    out = decoded.generate([PROMPT], SamplingParams(max_new_tokens=10))[0].output
+    once = runner(CacheFormat.FP4)
+    once.generate([PROMPT + out], SamplingParams(max_new_tokens=1))
+    a, b = _stored(decoded, (PROMPT + out)[:-1]), _stored(once, (PROMPT + out)[:-1])
+    assert len(a) == len(b) == len(decoded.pools.index_keys) > 0
+    for (va, sa), (vb, sb) in zip(a, b):
+        assert va.shape[-1] == 16 and sa.shape[-1] == 1  # 32 channels: 16 bytes, one scale
+        assert torch.equal(va, vb) and torch.equal(sa, sb)
+    seen: dict[CacheFormat, torch.Tensor] = {}
+    for fmt in (CacheFormat.BF16, CacheFormat.FP4):
+        r = runner(fmt)
+        r.on_logits = lambda results, logits, fmt=fmt: seen.setdefault(fmt, logits.clone())
+        r.generate([PROMPT], SamplingParams(max_new_tokens=1))
+    diff = (seen[CacheFormat.FP4] - seen[CacheFormat.BF16]).abs().max().item()
+    assert 0 < diff < 0.2 * seen[CacheFormat.BF16].abs().max().item()
+    pools = decoded.pools
+    assert pools.nbytes().index == sum(k.numel() + 4 * pools.scale_of(k).numel()
+                                       for k in pools.index_keys.values())  # fmt: skip

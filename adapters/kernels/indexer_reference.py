@@ -5,28 +5,38 @@ Lightning-indexer logits of queries over pool rows read through a `PoolRows`::
     logits[n, g] = sum_h w[n, h] * relu(q[n, h] . key(slot(n, g)))   for g < lengths[n]
                  = -inf                                               otherwise
 
-fp64 inputs compute in fp64, everything else in fp32 (16-bit and FP8 keys are upcast: the
-Triton kernel accumulates in fp32 too). FP8 keys (``torch.float8_e4m3fn``) come with one fp32
-scale per pool row, ``key = fp8 * scale``. The reference gathers the keys of a tile of queries
-at a time (``tile_bytes`` of gathered keys), so its memory is bounded by the tile, never
-``N x G x d``; the per-query arithmetic is the model's `ops.index_scores` (bit for bit in fp64).
+fp64 inputs compute in fp64, everything else in fp32 (16-bit and quantised keys are upcast:
+the Triton kernel accumulates in fp32 too). FP8 keys (``torch.float8_e4m3fn``) come with one
+fp32 scale per pool row, ``key = fp8 * scale``; FP4 keys (V4.1: e2m1 codes packed two per
+byte, ``(S, d / 2)`` uint8) with one fp32 scale per 32 channels, ``(S, d / 32)``
+(`adapters.formats`). The reference gathers the keys of a tile of queries at a time
+(``tile_bytes`` of gathered keys), so its memory is bounded by the tile, never ``N x G x d``;
+the per-query arithmetic is the model's `ops.index_scores` (bit for bit in fp64).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..formats import CacheFormat, QuantizedRows, dequantize
 from .rows import PoolRows
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
+#: FP4 (e2m1) keys are packed two per byte, with one fp32 scale per 32 channels
+FP4_DTYPE = torch.uint8
 
 
 def dequantize_keys(keys: torch.Tensor, key_scale: torch.Tensor | None, dt: torch.dtype):
-    """Pool rows in ``dt``: FP8 rows times their scale, anything else cast."""
+    """Pool rows in ``dt``: FP8 rows times their scale, FP4 rows unpacked (`formats`) times
+    their block scales, anything else cast."""
     if keys.dtype in FP8_DTYPES:
         if key_scale is None:
             raise ValueError("FP8 keys need key_scale (one fp32 scale per pool row)")
         return keys.to(dt) * key_scale.to(dt)[..., None]
+    if keys.dtype == FP4_DTYPE:
+        if key_scale is None or key_scale.dim() != keys.dim():
+            raise ValueError("FP4 keys need key_scale with one fp32 scale per 32 channels")
+        return dequantize(QuantizedRows(CacheFormat.FP4, keys, key_scale), dt)
     return keys.to(dt)
 
 
