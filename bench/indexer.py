@@ -2,7 +2,8 @@
 (made for an H200), against the reference and against the old einsum path.
 
     python bench/indexer.py [--json PATH] [--budget SECONDS] [--no-sweep]
-    python bench/indexer.py --smoke          # CPU, Triton interpreter, tiny shapes
+    python bench/indexer.py --fp8-candidates [--json PATH]   # only section 4
+    python bench/indexer.py --smoke [--fp8-candidates]       # CPU, Triton interpreter, tiny shapes
 
 1. Checks on CUDA: the kernel against `index_logits_reference` (fp32 maths on the same inputs)
    for the decode shape (one row set per query, page table, slots_per_page 16, and a slot
@@ -18,6 +19,17 @@
    gathered keys and ``(64, H, G)`` products fit). TB/s counts the key bytes read
    (``B * G * d * bytes``) against 4.22 TB/s (the measured device-to-device copy).
 3. A small sweep of launch configurations (``--no-sweep`` skips it; so does the budget).
+4. Only with ``--fp8-candidates``, instead of 1-3 (about two minutes): the FP8 key paths,
+   every `Fp8Mode` with a few launches each (`FP8_CANDIDATES`), beside bf16 keys, for decode B = 1
+   and B = 32 over G = 262,144 and the prefill N = 2048 over G = 32,768. Each candidate is
+   checked against the reference on the timed inputs and on two odd ones (decode lengths
+   0 / partial / full; prefill blocks straddling two row sets): exact modes within 1e-5
+   relative L2, ``FP8_DOT`` (approximate by design) within 1e-3, its error recorded. Then
+   timed eager and in a CUDA graph (at B = 1 the calls cycle through four pools, 32 MiB of
+   FP8 keys each, so that L2 holds none of the next). A candidate that fails to compile or
+   run is reported and the others go on. The table at the end ranks them per shape and
+   prints the lines of `adapters/kernels/indexer.py` that make the fastest exact one the
+   default (the FP8 rows of the JSON: ``fp8_candidates``; the pick: ``meta.fp8_best_*``).
 
 Results go to stdout and, with ``--json``, to a file that records the commit, the command,
 the machine and the date (`bench.meta.run_meta`); the file is rewritten after every section.
@@ -61,6 +73,7 @@ class Run:
         self.checks: list[dict] = []
         self.rows: list[dict] = []
         self.sweep: list[dict] = []
+        self.fp8: list[dict] = []
         from adapters import ops
         from adapters.kernels import indexer, indexer_reference
         from adapters.kernels.rows import PoolRows
@@ -77,7 +90,8 @@ class Run:
     def save(self) -> None:
         if self.args.json:
             self.meta["seconds"] = round(self.elapsed(), 1)
-            data = dict(meta=self.meta, checks=self.checks, rows=self.rows, sweep=self.sweep)
+            data = dict(meta=self.meta, checks=self.checks, rows=self.rows, sweep=self.sweep,
+                        fp8_candidates=self.fp8)  # fmt: skip
             self.args.json.parent.mkdir(parents=True, exist_ok=True)
             self.args.json.write_text(json.dumps(data, indent=1))
 
@@ -143,7 +157,7 @@ class Run:
         return run
 
     # -- checks
-    def compare(self, case: str, got: torch.Tensor, want: torch.Tensor) -> dict:
+    def compare(self, case: str, got: torch.Tensor, want: torch.Tensor, tol=1e-5) -> dict:
         want = want.float()
         same_inf = bool(torch.equal(torch.isinf(got), torch.isinf(want)))
         fin = torch.isfinite(want)
@@ -151,7 +165,7 @@ class Run:
         scale = want[fin].abs().max().clamp_min(1e-30) if fin.any() else torch.tensor(1.0)
         rel = float(diff.norm() / want[fin].norm().clamp_min(1e-30)) if fin.any() else 0.0
         mx = float(diff.max() / scale) if fin.any() else 0.0
-        ok = same_inf and math.isfinite(rel) and rel < 1e-5 and not bool(got.isnan().any())
+        ok = same_inf and math.isfinite(rel) and rel < tol and not bool(got.isnan().any())
         row = dict(case=case, ok=ok, rel_l2=rel, max_err_over_max=mx, same_inf=same_inf)
         self.checks.append(row)
         self.log(f"check {case}: {'ok' if ok else 'FAIL'} rel {rel:.2e} max {mx:.2e}")
@@ -213,7 +227,9 @@ class Run:
         del graph
         return statistics.median(times)
 
-    def timed(self, name, shape, fns, calls, key_bytes=None, flops=None, reps=20) -> dict:
+    def timed(self, name, shape, fns, calls, key_bytes=None, flops=None, reps=20,
+              into=None) -> dict:  # fmt: skip
+        """Eager and graph times of ``fns`` (a row, appended to ``into``, else `rows`)."""
         row = dict(name=name, shape=shape, eager_us=None, graph_us=None)
         try:
             row["eager_us"] = self.eager_us(fns[0], reps)
@@ -231,7 +247,7 @@ class Run:
                 row[f"{kind}_peak_frac"] = row[f"{kind}_tbps"] / PEAK_TBPS
             if us and flops:
                 row[f"{kind}_tflops"] = flops / (us * 1e-6) / 1e12
-        self.rows.append(row)
+        (self.rows if into is None else into).append(row)
         self.log(
             f"{name:34} {shape:28} eager {_fmt(row['eager_us'])} us  graph "
             f"{_fmt(row['graph_us'])} us"
@@ -351,6 +367,37 @@ def prefill(run: Run, kdt, sweep: bool) -> None:
     run.save()
 
 
+# Section 4: the FP8 key paths (`Fp8Mode`), each at its defaults and a few other launches
+# (knobs of `launch_config`; the first of each mode is its defaults). Registers and shared
+# memory per program (Triton 3.6, sm_90a, compiled without a GPU) are noted where they set
+# the programs per SM: 65,536 registers and 227 KB of shared memory per SM.
+FP8_CANDIDATES = {
+    "decode": [
+        ("DOT_A", {}),  # the FP8 default until now: 113 regs x 8 warps, 2 programs per SM
+        ("DOT_A", dict(num_stages=5, maxnreg=80, per_sm=3)),  # 2 buffers, 3 per SM
+        ("KEYS_B", {}),  # 129 regs x 4 warps, 66 KB: 3 per SM
+        ("KEYS_B", dict(num_warps=8, num_stages=5, maxnreg=80, per_sm=2)),
+        ("STAGED", {}),  # 128 regs x 8 warps: 2 per SM
+        ("STAGED", dict(maxnreg=80, per_sm=3)),
+        ("STAGED", dict(block_e=64, num_warps=4, per_sm=4)),  # 108 regs x 4 warps, 33 KB
+        ("STAGED_F16", dict(maxnreg=80, per_sm=3)),
+        ("FP8_DOT", {}),  # 98 regs x 8 warps, 2 buffers
+        ("FP8_DOT", dict(num_stages=5)),  # 3 buffers
+        ("FP8_DOT", dict(block_e=64, num_warps=4, num_stages=5, per_sm=4)),  # 102 regs, 42 KB
+    ],
+    "prefill": [
+        ("DOT_A", {}),  # the FP8 default until now: 171 regs x 8 warps, 1 program per SM
+        ("DOT_A", dict(maxnreg=128)),  # 2 per SM, as bf16 keys (127 regs)
+        ("KEYS_B", {}),  # maxnreg 128
+        ("STAGED", {}),  # 128 regs (maxnreg 128), 82 KB: 2 per SM
+        ("STAGED", dict(block_q=2, num_warps=4, per_sm=4)),
+        ("STAGED_F16", {}),  # maxnreg 128
+        ("FP8_DOT", {}),  # 2 queries x 64 rows (N = 256 with the two parts), maxnreg 128
+        ("FP8_DOT", dict(block_q=4, maxnreg=168, per_sm=1)),  # N = 512
+    ],
+}
+FP8_TOLERANCE = {"FP8_DOT": 1e-3}  # relative L2 accepted; every other mode: 1e-5
+
 SWEEP_DECODE = {
     "bf16": [
         dict(block_e=64, num_warps=4, per_sm=4),
@@ -368,12 +415,244 @@ SWEEP_PREFILL = [
 ]
 
 
+class Fp8Shape:
+    """One timed shape of section 4: bf16 and FP8 inputs and their references, the odd FP8
+    case of the kind, and how to time a path on it."""
+
+    def __init__(self, run: Run, kind: str, b: int) -> None:
+        self.run, self.kind = run, kind
+        small = run.smoke
+        if kind == "decode":
+            g = 512 if small else 262144
+            self.name = f"decode B{b} G{g}"
+            sets = 4 if b == 1 else 1  # B = 1 cycles through 4 pools: L2 (50 MB) holds none
+            self.cases = {k: [run.decode_case(b, g, k, 30 + b + i) for i in range(sets)]
+                          for k in (torch.bfloat16, FP8)}  # fmt: skip
+            self.calls, self.reps, self.flops = (20 if b == 1 else 5), 20, None
+            gd = 256 if small else 65536
+            lengths = torch.tensor([0, gd // 3 + 5, gd], device=run.dev)
+            odd = run.decode_case(3, gd, FP8, 38, lengths=lengths)
+            self.odd_name = f"B3 G{gd} lengths 0/partial/full"
+        else:
+            n, g = (16, 512) if small else (2048, 32768)
+            self.name = f"prefill N{n} G{g}"
+            self.cases = {k: [run.prefill_case(n, g, k, 40)] for k in (torch.bfloat16, FP8)}
+            self.calls, self.reps = 5, 10
+            rows = self.cases[FP8][0][4]
+            self.flops = 2 * run.heads * run.dim * float(rows.lengths.clamp(max=g).sum())
+            n2, g2 = (8, 256) if small else (512, 8192)
+            qrow = torch.zeros(n2, dtype=torch.long, device=run.dev)
+            qrow[n2 // 2 + 1 :] = 1  # a block of four straddles the two row sets
+            odd = run.prefill_case(n2, g2, FP8, 41, qrow=qrow)
+            self.odd_name = f"N{n2} G{g2} two row sets"
+        self.odd = odd
+        self.odd_want = _reference(run, odd)
+        self.want = {k: _reference(run, sets[0]) for k, sets in self.cases.items()}
+        self.outs = [torch.empty(r.num_queries, r.num_rows, device=run.dev)
+                     for *_, r in self.cases[FP8]]  # fmt: skip
+
+    def key_bytes(self, kdt) -> int | None:
+        if self.kind != "decode":
+            return None
+        _, _, keys, _, rows = self.cases[kdt][0]
+        return rows.num_queries * rows.num_rows * self.run.dim * keys.element_size()
+
+    def fns(self, kdt, knobs):
+        run = self.run
+        return [(lambda s=s, o=o: run.kernel(*s, out=o, **knobs))
+                for s, o in zip(self.cases[kdt], self.outs)]  # fmt: skip
+
+
+def _reference(run: Run, case) -> torch.Tensor:
+    q, w, keys, scale, rows = case
+    return run.ref.index_logits_reference(q, w, keys, rows, key_scale=scale)
+
+
+def _compiled(run: Run) -> dict:
+    """Triton's compiled indexer kernels by cache key (a private API of Triton 3.x: empty
+    when it differs, or under the interpreter)."""
+    try:
+        caches = run.ix._index_kernel.device_caches.values()
+        return {key: k for cache in caches for key, k in cache[0].items()}
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def _kernel_facts(kernels) -> list[dict]:
+    facts = []
+    for k in kernels:
+        try:
+            facts.append(dict(n_regs=k.n_regs, n_spills=k.n_spills, shared=k.metadata.shared,
+                              num_warps=k.metadata.num_warps))  # fmt: skip
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+    return facts
+
+
+def fp8_path(run: Run, sh: Fp8Shape, kdt, mode: str | None, knobs: dict, odd: bool) -> dict:
+    """Checks (``odd``: also on the kind's odd case) and times one path on one shape; its
+    errors are recorded, never raised. The registers, spills and shared memory of a path's
+    kernels are recorded where it compiles them (its first shape)."""
+    tag = "bf16 keys" if kdt == torch.bfloat16 else f"fp8 {mode}"
+    label = tag + (" " + ",".join(f"{k}={v}" for k, v in knobs.items()) if knobs else "")
+    row = dict(kind=sh.kind, shape=sh.name, path=label, mode=mode, knobs=dict(knobs))
+    full = dict(knobs, fp8_mode=run.ix.Fp8Mode[mode]) if mode else dict(knobs)
+    tol = FP8_TOLERANCE.get(mode or "", 1e-5)
+    before = set(_compiled(run))
+    try:
+        if mode:
+            dft = run.ix.ONE_DOT_LAUNCH[(sh.kind == "prefill", run.ix.Fp8Mode[mode])]
+            row["launch"] = dft._replace(**knobs)._asdict()
+        got = run.kernel(*sh.cases[kdt][0], **full)
+        chk = run.compare(f"{sh.name} {label}", got, sh.want[kdt], tol)
+        row.update(ok=chk["ok"], rel_l2=chk["rel_l2"], max_err_over_max=chk["max_err_over_max"])
+        del got
+        if odd:
+            got = run.kernel(*sh.odd, **full)
+            chk = run.compare(f"{sh.name} {label} / {sh.odd_name}", got, sh.odd_want, tol)
+            row.update(odd_ok=chk["ok"], odd_rel_l2=chk["rel_l2"])
+            del got
+        t = run.timed(label, sh.name, sh.fns(kdt, full), sh.calls, sh.key_bytes(kdt), sh.flops,
+                      sh.reps, into=[])  # fmt: skip
+        row.update({k: v for k, v in t.items() if k not in ("name", "shape")})
+    except Exception as exc:  # noqa: BLE001 - one failing candidate must not stop the others
+        row["error"] = _short(exc)
+        run.log(f"{sh.name} {label}: ERROR {row['error']}")
+        traceback.print_exc()
+        if run.dev.type == "cuda":
+            torch.cuda.synchronize()
+    new = [k for key, k in _compiled(run).items() if key not in before]
+    if new:
+        row["kernels"] = _kernel_facts(new)
+    run.fp8.append(row)
+    run.save()
+    return row
+
+
+def fp8_candidates(run: Run) -> None:
+    """Section 4 (the module docstring): every candidate on every shape, then the table."""
+    for kind, b in (("decode", 1), ("decode", 32), ("prefill", 0)):
+        try:
+            sh = Fp8Shape(run, kind, b)
+        except Exception as exc:  # noqa: BLE001
+            run.fp8.append(dict(kind=kind, b=b, error=_short(exc)))
+            run.log(f"fp8 {kind} B{b}: ERROR {_short(exc)}")
+            traceback.print_exc()
+            continue
+        first = b != 32  # decode B32 runs B1's kernels: the odd case once per kind
+        fp8_path(run, sh, torch.bfloat16, None, {}, False)
+        for mode, knobs in FP8_CANDIDATES[kind]:
+            fp8_path(run, sh, FP8, mode, knobs, first)
+        del sh
+        if run.dev.type == "cuda":
+            torch.cuda.empty_cache()
+    fp8_table(run)
+
+
+def _ok(row: dict) -> bool:
+    return bool(row.get("ok")) and row.get("odd_ok", True) is not False and not row.get("error")
+
+
+def fp8_table(run: Run) -> None:
+    """Per shape, every path by graph time (eager without graphs), against bf16 keys and the
+    FP8 default until now (DOT_A at its defaults); then the default each kind would take."""
+    print("\nFP8 key paths: us per call; x bf16, x DOT_A: their time over this path's (> 1 is "
+          "faster); rel L2 error against the reference")  # fmt: skip
+    print(f"{'shape':22} {'path':58} {'graph':>9} {'eager':>9} {'TB/s':>5} {'TFLOP/s':>7} "
+          f"{'x bf16':>6} {'x DOT_A':>7} {'rel L2':>8} {'regs':>4}  check")  # fmt: skip
+    regs = {r["path"]: r["kernels"][0].get("n_regs") for r in run.fp8 if r.get("kernels")}
+    for shape in dict.fromkeys(r["shape"] for r in run.fp8 if "shape" in r):
+        rows = [r for r in run.fp8 if r.get("shape") == shape]
+        times = {r["path"]: _time(r) for r in rows}
+        for r in sorted(rows, key=lambda r: _time(r) or math.inf):
+            print(_table_line(r, times.get("bf16 keys"), times.get("fp8 DOT_A"), regs))
+    for kind in ("decode", "prefill"):
+        _suggest(run, kind)
+
+
+def _table_line(r: dict, bf: float | None, dot_a: float | None, regs: dict) -> str:
+    t = _time(r)
+    if r.get("error"):
+        check = "ERROR " + r["error"][:70]
+    else:
+        check = "FAIL" if not _ok(r) else "approx" if r.get("mode") in FP8_TOLERANCE else "ok"
+    tbps = r.get("graph_tbps") or r.get("eager_tbps")
+    tflops = r.get("graph_tflops") or r.get("eager_tflops")
+    return (
+        f"{r['shape']:22} {r['path']:58} {_fmt(r.get('graph_us')):>9} "
+        f"{_fmt(r.get('eager_us')):>9} {_fmt(tbps, 2):>5} {_fmt(tflops, 0):>7} "
+        f"{_ratio(bf, t):>6} {_ratio(dot_a, t):>7} {_fmt_e(r.get('rel_l2')):>8} "
+        f"{regs.get(r['path'], '-'):>4}  {check}"
+    )
+
+
+def _suggest(run: Run, kind: str) -> None:
+    """Prints (and records in the meta) the fastest exact path of ``kind`` and the lines of
+    `adapters.kernels.indexer` that make it the default."""
+    best, approx = _best(run, kind, exact=True), _best(run, kind, exact=False)
+    if best is None:
+        print(f"{kind}: no FP8 candidate passed its checks on every {kind} shape")
+        return
+    name = "FP8_DECODE_MODE" if kind == "decode" else "FP8_PREFILL_MODE"
+    la = best["launch"]
+    extra = f", {la['maxnreg']}" if la.get("maxnreg") else ""
+    line = (
+        f"({kind == 'prefill'}, Fp8Mode.{best['mode']}): Launch({la['block_q']}, "
+        f"{la['block_e']}, {la['num_warps']}, {la['per_sm']}, {la['num_stages']}{extra}),"
+    )
+    print(f"{kind}: fastest exact path {best['path']!r}: {best['score']:.2f} x bf16 keys' time "
+          f"(geometric mean over the {kind} shapes). To make it the default, in "
+          f"adapters/kernels/indexer.py: {name} = Fp8Mode.{best['mode']}, and in ONE_DOT_LAUNCH "
+          f"the line\n    {line}")  # fmt: skip
+    if approx is not None and approx["path"] != best["path"]:
+        print(
+            f"{kind}: fastest within 1e-3 (approximate): {approx['path']!r}: "
+            f"{approx['score']:.2f} x bf16 keys' time, rel L2 up to {approx['worst_rel']:.1e}"
+        )
+    run.meta[f"fp8_best_{kind}"] = dict(path=best["path"], score=best["score"], line=line)
+    run.save()
+
+
+def _best(run: Run, kind: str, exact: bool) -> dict | None:
+    """The FP8 candidate whose time relative to bf16 keys' (geometric mean over the kind's
+    shapes) is least among those that passed every check (``exact``: not FP8_DOT)."""
+    mine = [r for r in run.fp8 if r.get("kind") == kind and "shape" in r]
+    shapes = list(dict.fromkeys(r["shape"] for r in mine))
+    bf = {r["shape"]: _time(r) for r in mine if r["path"] == "bf16 keys"}
+    best = None
+    for path in dict.fromkeys(r["path"] for r in mine if r.get("mode")):
+        rows = [r for r in mine if r["path"] == path]
+        if exact and rows[0]["mode"] in FP8_TOLERANCE:
+            continue
+        good = [r for r in rows if _ok(r) and _time(r) and bf.get(r["shape"])]
+        if len(good) != len(shapes):
+            continue
+        score = math.exp(statistics.mean(math.log(_time(r) / bf[r["shape"]]) for r in good))
+        if best is None or score < best["score"]:
+            best = dict(rows[0], score=score, worst_rel=max(r.get("rel_l2") or 0.0 for r in good))
+    return best
+
+
+def _time(row: dict) -> float | None:
+    return row.get("graph_us") or row.get("eager_us")
+
+
+def _ratio(a, b) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}"
+
+
+def _fmt_e(x) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--json", type=Path, help="write every check and row to this file")
     p.add_argument("--budget", type=float, default=150.0, help="seconds before the sweep stops")
     p.add_argument("--no-sweep", action="store_true", help="skip the launch-parameter sweep")
     p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes")
+    p.add_argument("--fp8-candidates", action="store_true",
+                   help="only section 4: the FP8 key paths beside bf16 keys")  # fmt: skip
     args = p.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA device: run on a GPU, or use --smoke to exercise the script on the CPU")
@@ -391,7 +670,9 @@ def main(argv=None) -> int:
         ("decode B32 fp8", lambda: decode(run, 32, FP8, False)),
         ("prefill fp8", lambda: prefill(run, FP8, False)),
     ]
-    if not args.no_sweep:
+    if args.fp8_candidates:
+        parts = [("fp8 candidates", lambda: fp8_candidates(run))]
+    elif not args.no_sweep:
         parts += [
             ("sweep decode B1 bf16", lambda: decode(run, 1, bf, True)),
             ("sweep decode B32 bf16", lambda: decode(run, 32, bf, True)),
@@ -416,7 +697,8 @@ def main(argv=None) -> int:
     run.log(
         f"{len(run.checks) - len(bad)}/{len(run.checks)} checks ok; total {run.elapsed():.1f} s"
     )
-    print(json.dumps(dict(meta=run.meta, rows=run.rows, sweep=run.sweep), indent=1))
+    if not args.fp8_candidates:
+        print(json.dumps(dict(meta=run.meta, rows=run.rows, sweep=run.sweep), indent=1))
     if args.json:
         print(f"wrote {args.json}")
     return 1 if bad else 0

@@ -3,9 +3,10 @@ and the Triton kernel (`adapters.kernels.indexer`) against the reference under T
 interpreter at tiny shapes (see `interpreted`).
 
 The interpreter dots in fp32 (its 16-bit arithmetic is unreliable), so 16-bit and FP8 keys are
-checked through their loads and casts; the 16-bit dot plans run on the GPU only
-(``bench/indexer.py`` checks them there). Agreement: within fp32 rounding of the reference, and
-the same -inf positions exactly.
+checked through their loads and casts, and every FP8 path (`Fp8Mode`) through its operand
+layout, staging and q format; the 16-bit dot plans and the FP8 dots run on the GPU only
+(``bench/indexer.py`` checks them there, ``--fp8-candidates`` every FP8 path). Agreement:
+within fp32 rounding of the reference, and the same -inf positions exactly.
 """
 
 from __future__ import annotations
@@ -176,6 +177,38 @@ def check_key_dtypes(ix):
     _close(ix.flash_index_logits(qb, wf, k8, rows, key_scale=scale), want)
 
 
+def check_fp8_modes(ix):
+    """Every `Fp8Mode` (the interpreter runs each one's operand layout, staging and q format
+    with fp32 dots): decode over several programs with lengths 0 / partial / full, a prefill
+    block sharing its tiles, a block computed query by query, fp16 q."""
+    gen = torch.Generator().manual_seed(25)
+    q, w, keys, rows = _case(gen, 4, 4, 32, 4, 10, lengths=[0, 40, 1, 33])
+    scale = torch.rand(keys.shape[0], generator=gen) + 0.25
+    k8, qb, wb = keys.to(FP8), q.bfloat16(), w.bfloat16()
+    dec = index_logits_reference(qb, wb, k8, rows, key_scale=scale)
+    n = 6
+    pos = torch.arange(n) * 9 + 3
+    sq, sw, skeys, srows = _case(gen, n, 4, 32, 4, 16, sets=1, lengths=(pos + 1) // 4)
+    ss = torch.rand(skeys.shape[0], generator=gen) + 0.25
+    sk8, sqb, swb = skeys.to(FP8), sq.bfloat16(), sw.bfloat16()
+    pre = index_logits_reference(sqb, swb, sk8, srows, key_scale=ss)
+    mixed = PoolRows(srows.table.repeat(2, 1), srows.lengths, torch.tensor([0, 0, 1, 0, 1, 1]), 4)
+    mix = index_logits_reference(sqb, swb, sk8, mixed, key_scale=ss)
+    for mode in ix.Fp8Mode:
+        got = ix.flash_index_logits(qb, wb, k8, rows, key_scale=scale, fp8_mode=mode,
+                                    block_e=16, span=32)  # fmt: skip
+        _close(got, dec)
+        for r, want in ((srows, pre), (mixed, mix)):
+            got = ix.flash_index_logits(sqb, swb, sk8, r, key_scale=ss, fp8_mode=mode,
+                                        block_q=4, block_e=16)  # fmt: skip
+            _close(got, want)
+    qh, wh = q.half(), w.half()
+    want = index_logits_reference(qh, wh, k8, rows, key_scale=scale)
+    got = ix.flash_index_logits(qh, wh, k8, rows, key_scale=scale,
+                                fp8_mode=ix.Fp8Mode.STAGED_F16, maxnreg=96)  # fmt: skip
+    _close(got, want)
+
+
 def check_empty_and_out(ix):
     gen = torch.Generator().manual_seed(23)
     q, w, keys, rows = _case(gen, 2, 4, 16, 4, 2)
@@ -207,6 +240,7 @@ def check_errors(ix):
         lambda: ix.flash_index_logits(q, w, keys, rows, block_q=2),  # no qrow: one query
         lambda: ix.flash_index_logits(q, w, keys, shared, block_e=24),
         lambda: ix.flash_index_logits(q, w, keys, shared, block_e=16, span=24),
+        lambda: ix.flash_index_logits(q, w, keys, rows, fp8_mode=ix.Fp8Mode.STAGED),  # not FP8
     ]
     for call in bad:
         with pytest.raises(ValueError):
@@ -228,16 +262,53 @@ def check_plans_and_config(ix):
     pre = ix.launch_config(2048, 1 << 15, True, 2, plan(bf, bf), cpu)
     assert pre["BLOCK_Q"] * 64 >= 256 and pre["span"] == 1 << 15
     split = ix.launch_config(64, 4096, True, 2, plan(f32, f32), cpu)
-    assert split["BLOCK_Q"] == 1 and split["num_stages"] == 2
+    assert split["BLOCK_Q"] == 1 and split["num_stages"] == 2 and split["maxnreg"] is None
+
+
+def check_fp8_mode_choice(ix):
+    """Which FP8 path a launch takes, and each mode's launch defaults."""
+    f32, bf, f16, mode = torch.float32, torch.bfloat16, torch.float16, ix.Fp8Mode
+    assert ix.fp8_mode_for(bf, FP8, False) == ix.FP8_DECODE_MODE
+    assert ix.fp8_mode_for(bf, FP8, True) == ix.FP8_PREFILL_MODE
+    assert ix.fp8_mode_for(f32, FP8, False) == mode.DOT_A  # split operands: no choice
+    assert ix.fp8_mode_for(bf, bf, True) == mode.DOT_A
+    assert ix.fp8_mode_for(bf, FP8, True, mode.FP8_DOT) == mode.FP8_DOT
+    assert ix.fp8_mode_for(f32, bf, False, mode.DOT_A) == mode.DOT_A
+    for q_dtype, k_dtype, m in ((f32, FP8, mode.KEYS_B), (bf, bf, mode.STAGED),
+                                (f16, FP8, mode.FP8_DOT)):  # fmt: skip
+        with pytest.raises(ValueError):
+            ix.fp8_mode_for(q_dtype, k_dtype, False, m)
+    before = ix.FP8_DECODE_MODE
+    try:  # an FP8_DOT default: fp16 q (8 of its 11 bits in two e4m3 parts) keeps DOT_A
+        ix.FP8_DECODE_MODE = mode.FP8_DOT
+        assert ix.fp8_mode_for(f16, FP8, False) == mode.DOT_A
+        assert ix.fp8_mode_for(bf, FP8, False) == mode.FP8_DOT
+    finally:
+        ix.FP8_DECODE_MODE = before
+    assert [m.key_operand for m in mode] == [0, 1, 2, 2, 0]
+    assert [m.q_format for m in mode] == [0, 0, 0, 1, 2]
+    cpu, plan = torch.device("cpu"), ix.dot_plan(bf, FP8)
+    for shared in (False, True):
+        for m in mode:
+            cfg = ix.launch_config(2048, 1 << 15, shared, 1, plan, cpu, fp8_mode=m)
+            dft = ix.ONE_DOT_LAUNCH[(shared, m)]
+            assert cfg["fp8_mode"] == m and cfg["maxnreg"] == dft.maxnreg
+            assert (cfg["BLOCK_Q"], cfg["BLOCK_E"], cfg["num_warps"]) == dft[:3]
+    cfg = ix.launch_config(1, 4096, False, 1, plan, cpu, fp8_mode=mode.STAGED, maxnreg=80)
+    assert cfg["maxnreg"] == 80
+    bf16_keys = ix.launch_config(1, 4096, False, 2, plan, cpu, fp8_mode=mode.STAGED)
+    assert bf16_keys["BLOCK_E"] == ix.ONE_DOT_LAUNCH[(False, None)].block_e  # 16-bit keys
 
 
 CHECKS = [
     "check_decode_rows",
     "check_shared_rows",
     "check_key_dtypes",
+    "check_fp8_modes",
     "check_empty_and_out",
     "check_errors",
     "check_plans_and_config",
+    "check_fp8_mode_choice",
 ]
 
 
