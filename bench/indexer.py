@@ -602,8 +602,8 @@ def _suggest(run: Run, kind: str) -> None:
     )
     print(f"{kind}: fastest exact path {best['path']!r}: {best['score']:.2f} x bf16 keys' time "
           f"(geometric mean over the {kind} shapes). To make it the default, in "
-          f"adapters/kernels/indexer.py: {name} = Fp8Mode.{best['mode']}, and in ONE_DOT_LAUNCH "
-          f"the line\n    {line}")  # fmt: skip
+          f"adapters/kernels/indexer_plan.py: {name} = Fp8Mode.{best['mode']}, and in "
+          f"ONE_DOT_LAUNCH the line\n    {line}")  # fmt: skip
     if approx is not None and approx["path"] != best["path"]:
         print(
             f"{kind}: fastest within 1e-3 (approximate): {approx['path']!r}: "

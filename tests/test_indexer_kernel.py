@@ -11,6 +11,8 @@ within fp32 rounding of the reference, and the same -inf positions exactly.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from interpreted import interpreted_modules, run_check
@@ -278,13 +280,14 @@ def check_fp8_mode_choice(ix):
                                 (f16, FP8, mode.FP8_DOT)):  # fmt: skip
         with pytest.raises(ValueError):
             ix.fp8_mode_for(q_dtype, k_dtype, False, m)
-    before = ix.FP8_DECODE_MODE
+    plans = sys.modules[ix.fp8_mode_for.__module__]  # the launch plans' module holds the default
+    before = plans.FP8_DECODE_MODE
     try:  # an FP8_DOT default: fp16 q (8 of its 11 bits in two e4m3 parts) keeps DOT_A
-        ix.FP8_DECODE_MODE = mode.FP8_DOT
+        plans.FP8_DECODE_MODE = mode.FP8_DOT
         assert ix.fp8_mode_for(f16, FP8, False) == mode.DOT_A
         assert ix.fp8_mode_for(bf, FP8, False) == mode.FP8_DOT
     finally:
-        ix.FP8_DECODE_MODE = before
+        plans.FP8_DECODE_MODE = before
     assert [m.key_operand for m in mode] == [0, 1, 2, 2, 0]
     assert [m.q_format for m in mode] == [0, 0, 0, 1, 2]
     cpu, plan = torch.device("cpu"), ix.dot_plan(bf, FP8)

@@ -24,7 +24,8 @@ Design, for bandwidth (decode) and tensor-core throughput (prefill):
   FP8 dots are multiplied by the row's scale before the relu (``q . (k s) = s (q . k)``).
 * FP8 keys with 16-bit q take one of several paths (`Fp8Mode`: where the FP8 tile is
   converted, which dot operand it is, or fp8 x fp8 dots with q in two e4m3 parts), chosen by
-  `FP8_DECODE_MODE` / `FP8_PREFILL_MODE`; each has its launch defaults in `ONE_DOT_LAUNCH`.
+  `FP8_DECODE_MODE` / `FP8_PREFILL_MODE`; each has its launch defaults in `ONE_DOT_LAUNCH`
+  (the launch plans are pure Python: `indexer_plan`).
 * Offsets are int64 (``slot * d`` and ``n * G`` may pass 2**31).
 
 Importing this module imports Triton and defines the kernel; `adapters.kernels` imports it only
@@ -33,14 +34,26 @@ when a CUDA tensor (or a test under ``TRITON_INTERPRET=1``) needs it.
 
 from __future__ import annotations
 
-import enum
 import os
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from .indexer_operands import _dot16, _fp8_q, _q_operands, _scaled_q
+from .indexer_plan import (
+    _PARTS,
+    FP8_DECODE_MODE,
+    FP8_PREFILL_MODE,
+    INTERPRETER_PLAN,
+    ONE_DOT_LAUNCH,
+    DotPlan,
+    Fp8Mode,
+    Launch,
+    dot_plan,
+    fp8_mode_for,
+    launch_config,
+)
 from .indexer_reference import FP8_DTYPES
 from .rows import PoolRows
 
@@ -60,131 +73,6 @@ __all__ = [
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@triton.jit
-def _parts(x, P: tl.constexpr):  # pragma: no cover - needs a GPU
-    """fp32 ``x`` as ``P`` (1-3) bf16 parts, largest first, whose sum is ``x`` (8 significand
-    bits each: three hold fp32's 24, two fp16's 11); unused parts repeat the first."""
-    p1 = x.to(tl.bfloat16)
-    p2 = p1
-    p3 = p1
-    if P >= 2:
-        rest = x - p1.to(tl.float32)
-        p2 = rest.to(tl.bfloat16)
-        if P >= 3:
-            p3 = (rest - p2.to(tl.float32)).to(tl.bfloat16)
-    return p1, p2, p3
-
-
-@triton.jit
-def _q_operands(
-    qt, K_PARTS: tl.constexpr, Q_PARTS: tl.constexpr, DOT_DTYPE: tl.constexpr
-):  # pragma: no cover - needs a GPU
-    """The 16-bit B operands of `_dot16` from fp32 ``Q^T`` (once per program)."""
-    if Q_PARTS == 1 and K_PARTS == 1:
-        q1 = qt.to(DOT_DTYPE)
-        q2 = q1
-        q3 = q1
-    else:
-        q1, q2, q3 = _parts(qt, Q_PARTS)
-    return q1, q2, q3
-
-
-@triton.jit
-def _dot16(
-    k, q1, q2, q3, K_PARTS: tl.constexpr, Q_PARTS: tl.constexpr, DOT_DTYPE: tl.constexpr
-):  # pragma: no cover - needs a GPU
-    """``K @ Q^T`` in fp32 from exact 16-bit products: one dot in ``DOT_DTYPE`` (1 x 1 parts),
-    or the bf16 part pairs ``(i, j)`` with ``i + j <= 2`` (the rest are below fp32 rounding),
-    smallest first."""
-    if Q_PARTS == 1 and K_PARTS == 1:
-        s = tl.dot(k.to(DOT_DTYPE), q1)
-    else:
-        if K_PARTS == 1:
-            k1 = k.to(tl.bfloat16)
-            k2 = k1
-            k3 = k1
-        else:
-            k1, k2, k3 = _parts(k.to(tl.float32), K_PARTS)
-        s = tl.zeros((k.shape[0], q1.shape[1]), tl.float32)
-        if K_PARTS >= 2 and Q_PARTS >= 2:
-            s = tl.dot(k2, q2, s)
-        if K_PARTS >= 3:
-            s = tl.dot(k3, q1, s)
-        if Q_PARTS >= 3:
-            s = tl.dot(k1, q3, s)
-        if K_PARTS >= 2:
-            s = tl.dot(k2, q1, s)
-        if Q_PARTS >= 2:
-            s = tl.dot(k1, q2, s)
-        s = tl.dot(k1, q1, s)
-    return s
-
-
-@triton.jit
-def _pow2(e):
-    """``2**e`` in fp32, exactly, for int32 ``e`` in ``[-126, 127]``."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _column_exponents(qt, TOP: tl.constexpr):
-    """Per column of fp32 ``qt`` ``(DP, C)``: the ``a`` with ``max|column| * 2**a`` in
-    ``[2**TOP, 2**(TOP + 1))`` (clamped to ``[-100, 100]``: all-zero columns)."""
-    m = tl.max(tl.abs(qt), axis=0)
-    e = ((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 m) for normal m
-    return tl.minimum(tl.maximum(TOP - e, -100), 100)
-
-
-@triton.jit
-def _scaled_q(qt, wv, INTERPRETED: tl.constexpr):
-    """fp16 q operands (Q_FORMAT 1) from fp32 ``Q^T``: each column scaled by a power of two
-    into fp16's top binade (bf16 values there are exact in fp16); its ``2**-a`` moves to the
-    head weights ``wv`` (``relu(s x) = x relu(s)`` for ``x > 0``)."""
-    a = _column_exponents(qt, 14)
-    qs = (qt * _pow2(a)[None, :]).to(tl.float16)
-    if INTERPRETED:
-        return qs.to(tl.float32), wv * _pow2(-a)
-    return qs, wv * _pow2(-a)  # pragma: no cover - needs a GPU
-
-
-@triton.jit
-def _e4m3_values(x):
-    """fp32 ``x`` (``|x| < 2**13``) rounded to the nearest e4m3 value, in fp32: 4 significant
-    bits (Veltkamp's split by ``2**20 + 1``), below 2**-6 multiples of 2**-9 (subnormals)."""
-    t = x * 1048577.0
-    sub = (x + 24576.0) - 24576.0  # 1.5 * 2**14: fp32 steps of 2**-9
-    return tl.where(tl.abs(x) < 0.015625, sub, t - (t - x))
-
-
-@triton.jit
-def _fp8_q(q_ptr, qt, wv, n0, N, stride_qn, stride_qh, H: tl.constexpr, D: tl.constexpr,
-           HP: tl.constexpr, DP: tl.constexpr, BQ: tl.constexpr,
-           INTERPRETED: tl.constexpr):  # fmt: skip
-    """FP8 q operands (Q_FORMAT 2): ``(DP, 2 BQ*HP)``, columns ``2c, 2c + 1`` the parts of
-    column ``c`` of ``Q^T`` (``qt``) scaled by a power of two into the top binade 2**7: ``p1``
-    its e4m3 rounding, ``p2`` the rest's times 16 (at most 4 bits: bf16 values are exact down
-    to 2**-14 of the column's largest); `_rows_dot` adds ``hi + lo / 16``. Each column is
-    loaded twice (the pairs in place: no shuffles); ``2**-a`` moves to ``wv`` as in
-    `_scaled_q`."""
-    c = tl.arange(0, 2 * BQ * HP)
-    qn = n0 + c // (2 * HP)
-    hh = (c // 2) % HP
-    dd = tl.arange(0, DP)
-    q_ok = (qn < N) & (hh < H)
-    q_off = qn.to(tl.int64) * stride_qn + hh * stride_qh
-    x = tl.load(q_ptr + q_off[None, :] + dd[:, None], mask=q_ok[None, :] & (dd[:, None] < D))
-    x = x.to(tl.float32)
-    x = x * _pow2(_column_exponents(x, 7))[None, :]
-    if INTERPRETED:  # its fp32 -> e4m3 cast is wrong at times (a binade off): by arithmetic
-        p1 = _e4m3_values(x)
-        qs = tl.where((c % 2 == 0)[None, :], p1, _e4m3_values((x - p1) * 16.0))
-    else:  # pragma: no cover - needs a GPU
-        p1 = x.to(tl.float8e4nv)
-        p2 = ((x - p1.to(tl.float32)) * 16.0).to(tl.float8e4nv)
-        qs = tl.where((c % 2 == 0)[None, :], p1, p2)
-    return qs, wv * _pow2(-_column_exponents(qt, 7))
 
 
 @triton.jit
@@ -432,183 +320,6 @@ def _index_kernel(
                       e_hi, N, G, stride_qn, stride_qh, stride_wn, stride_k, stride_t, stride_o,
                       H, D, HP, DP, SPP, 1, BLOCK_E, HAS_SCALE, DOT_DTYPE, K_PARTS,
                       Q_PARTS, KEY_OPERAND, Q_FORMAT, False)  # fmt: skip
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":  # pragma: no cover - needs a GPU
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
-
-
-class DotPlan(NamedTuple):
-    """How a key tile meets the queries: ``q_parts`` x ``k_parts`` bf16 parts (1 x 1: one dot
-    in ``dtype``, q's 16-bit dtype); ``q_parts == 0``: fp32 operands (`INTERPRETER_PLAN`).
-    Every plan accumulates exact products in fp32."""
-
-    q_parts: int
-    k_parts: int
-    dtype: torch.dtype
-
-
-_PARTS = {torch.bfloat16: 1, torch.float8_e4m3fn: 1, torch.float16: 2, torch.float32: 3}
-# The interpreter's 16-bit arithmetic is unreliable (KERNELS.md): there, fp32 dots only.
-INTERPRETER_PLAN = DotPlan(0, 0, torch.float32)
-
-
-def dot_plan(q_dtype: torch.dtype, key_dtype: torch.dtype) -> DotPlan:
-    """The GPU plan: 16-bit q with keys of its dtype (or FP8, exact in it): one dot in that
-    dtype; other mixes: fp32 (3 parts), fp16 (2) and bf16 / FP8 (1) operands split into bf16
-    parts. Raises `KeyError` for other dtypes."""
-    if q_dtype in _DOT_DTYPES and (key_dtype == q_dtype or key_dtype in FP8_DTYPES):
-        return DotPlan(1, 1, q_dtype)
-    return DotPlan(_PARTS[q_dtype], _PARTS[key_dtype], torch.bfloat16)
-
-
-class Fp8Mode(enum.IntEnum):
-    """How FP8 keys meet 16-bit queries on the GPU (every other dtype mix: `DOT_A`, through
-    its `dot_plan`). All but `FP8_DOT` are exact to fp32 rounding, as the reference. What the
-    compiler makes of each (Triton 3.6, sm_90a):
-
-    * ``DOT_A``: the key tile is the dot's A operand, cast to q's dtype as it is read: the
-      FP8 tile stays in shared memory (8-byte async copies, one buffer below 5 stages) and is
-      read into the dot-operand registers two bytes at a time, converted there.
-    * ``KEYS_B``: keys the B operand (``Q (BQ*H, d) @ K^T``, heads on rows): converted to
-      q's dtype in registers and stored so to shared memory, from where the wgmma reads them
-      (B always comes from shared memory); 16-byte async copies. The head sum crosses the
-      warps of a warp group.
-    * ``STAGED``: keys the A operand, converted one tile ahead and carried through the loop:
-      the compiler stages a loop-carried operand in shared memory as it does a loaded one, and
-      the wgmma reads it there. The next tile's 16-byte loads (into registers) are in flight
-      over the current dot; at decode the table is read two tiles ahead.
-    * ``STAGED_F16``: ``STAGED`` in fp16 (e4m3 -> fp16 is one instruction per two values,
-      bf16 three), q scaled per (query, head) by a power of two into fp16's top binade: bf16
-      values there are exact in fp16 (the scale moves to ``w``).
-    * ``FP8_DOT``: no conversion: q as two e4m3 parts ``p1 + p2 / 16`` per (query, head) (a
-      power-of-two scale; bf16-exact but for entries below 2**-14 of the largest),
-      interleaved along N: one fp8 x fp8 dot straight from the loaded tile. Hopper adds FP8
-      products in fewer bits than fp32: approximate (``bench/indexer.py`` reports the error).
-    """
-
-    DOT_A = 0
-    KEYS_B = 1
-    STAGED = 2
-    STAGED_F16 = 3
-    FP8_DOT = 4
-
-    @property
-    def key_operand(self) -> int:
-        """The kernel's ``KEY_OPERAND``: 0 A, 1 B, 2 A converted a tile ahead."""
-        return {Fp8Mode.KEYS_B: 1, Fp8Mode.STAGED: 2, Fp8Mode.STAGED_F16: 2}.get(self, 0)
-
-    @property
-    def q_format(self) -> int:
-        """The kernel's ``Q_FORMAT``: 0 q's plan, 1 scaled fp16, 2 two e4m3 parts."""
-        return {Fp8Mode.STAGED_F16: 1, Fp8Mode.FP8_DOT: 2}.get(self, 0)
-
-
-# The FP8 paths in use: the switch once bench/indexer.py --fp8-candidates has measured them
-# (each mode's launch defaults are in `ONE_DOT_LAUNCH`).
-FP8_DECODE_MODE = Fp8Mode.DOT_A
-FP8_PREFILL_MODE = Fp8Mode.DOT_A
-
-
-class Launch(NamedTuple):
-    """Defaults of one kind of launch (`launch_config`)."""
-
-    block_q: int
-    block_e: int
-    num_warps: int
-    per_sm: int  # programs per SM in the one wave
-    num_stages: int
-    maxnreg: int | None = None  # registers per thread (None: as the compiler likes)
-
-
-# 16-bit keys, DOT_A: measured on an H200 (bench/results/indexer_h200.json): 16-bit decode
-# 64-row tiles, 4 warps, 4 programs per SM (50 KB of shared memory each); FP8 decode 128
-# rows, 8 warps, 2 per SM; prefill 4 queries x 64 rows, 8 warps (2 per SM: but FP8 DOT_A
-# compiles to 171 registers a thread, so only one is resident). The other FP8 modes: first
-# guesses from their compiled registers and shared memory (Triton 3.6, sm_90a: 128 registers
-# x 8 warps leave room for 2 programs per SM; ``maxnreg`` holds ptxas there), until measured.
-ONE_DOT_LAUNCH = {  # (shared, FP8 mode or None: 16-bit keys)
-    (False, None): Launch(1, 64, 4, 4, 3),
-    (True, None): Launch(4, 64, 8, 2, 3),
-    (False, Fp8Mode.DOT_A): Launch(1, 128, 8, 2, 3),
-    (True, Fp8Mode.DOT_A): Launch(4, 64, 8, 2, 3),
-    (False, Fp8Mode.KEYS_B): Launch(1, 128, 4, 3, 3),
-    (True, Fp8Mode.KEYS_B): Launch(4, 64, 8, 2, 3, 128),
-    (False, Fp8Mode.STAGED): Launch(1, 128, 8, 2, 3),
-    (True, Fp8Mode.STAGED): Launch(4, 64, 8, 2, 3, 128),
-    (False, Fp8Mode.STAGED_F16): Launch(1, 128, 8, 2, 3),
-    (True, Fp8Mode.STAGED_F16): Launch(4, 64, 8, 2, 3, 128),
-    (False, Fp8Mode.FP8_DOT): Launch(1, 128, 8, 2, 4),
-    (True, Fp8Mode.FP8_DOT): Launch(2, 64, 8, 2, 3, 128),
-}
-
-
-def fp8_mode_for(
-    q_dtype: torch.dtype, key_dtype: torch.dtype, shared: bool, requested: Fp8Mode | None = None
-) -> Fp8Mode:
-    """The FP8 path of a launch: ``requested``, else `FP8_PREFILL_MODE` (``shared``) or
-    `FP8_DECODE_MODE` for FP8 keys with 16-bit q, else ``DOT_A`` (the other mixes have no
-    choice). ``FP8_DOT`` needs bf16 q (its two e4m3 parts hold 8 of fp16's 11 bits): a
-    default of ``FP8_DOT`` gives fp16 q ``DOT_A``. Raises `ValueError` for a requested mode
-    other than ``DOT_A`` that does not apply."""
-    applies = key_dtype in FP8_DTYPES and q_dtype in _DOT_DTYPES
-    if requested is None:
-        mode = (FP8_PREFILL_MODE if shared else FP8_DECODE_MODE) if applies else Fp8Mode.DOT_A
-        return Fp8Mode.DOT_A if mode == Fp8Mode.FP8_DOT and q_dtype != torch.bfloat16 else mode
-    requested = Fp8Mode(requested)
-    if requested != Fp8Mode.DOT_A and not applies:
-        raise ValueError(f"fp8_mode {requested.name} needs FP8 keys and 16-bit q")
-    if requested == Fp8Mode.FP8_DOT and q_dtype != torch.bfloat16:
-        raise ValueError("fp8_mode FP8_DOT needs bf16 q (two e4m3 parts hold 8 bits)")
-    return requested
-
-
-def launch_config(
-    n: int,
-    g: int,
-    shared: bool,
-    key_bytes: int,
-    plan: DotPlan,
-    device: torch.device,
-    *,
-    fp8_mode: Fp8Mode = Fp8Mode.DOT_A,
-    block_q: int | None = None,
-    block_e: int | None = None,
-    span: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    per_sm: int | None = None,
-    maxnreg: int | None = None,
-) -> dict:
-    """The launch of ``n`` queries over ``g`` rows (``shared``: queries carry ``qrow``) with
-    keys of ``key_bytes`` (1: FP8, through ``fp8_mode``): ``BLOCK_Q``, ``BLOCK_E``, ``span``
-    (rows per program, a multiple of ``BLOCK_E``), ``num_warps``, ``num_stages``,
-    ``maxnreg`` (None: the compiler's choice), ``fp8_mode``; the keyword knobs override the
-    defaults (benchmark sweeps). Without sharing a program takes one query; rows are split so
-    that up to ``per_sm`` programs per SM (by default as many as are resident at once) run in
-    one wave. Raises `ValueError` for block sizes that are not powers of two of at least 16
-    rows (``tl.dot``)."""
-    if plan.q_parts * plan.k_parts <= 1:
-        dft = ONE_DOT_LAUNCH[(shared, Fp8Mode(fp8_mode) if key_bytes == 1 else None)]
-    else:  # several dots from split operands: fewer queries per tile (registers, shared memory)
-        bq = 2 if shared and plan.k_parts == 1 else 1
-        dft = Launch(bq, 64, 8 if bq > 1 else 4, 2, 2)
-    bq, be = block_q or dft.block_q, block_e or dft.block_e
-    if bq & (bq - 1) or be & (be - 1) or be < 16 or (not shared and bq != 1):
-        raise ValueError(f"bad block sizes: block_q {bq}, block_e {be} (queries without qrow: 1)")
-    blocks = triton.cdiv(max(n, 1), bq)
-    tiles = triton.cdiv(max(g, 1), be)
-    if span is None:
-        # at most one wave: a second, partial wave of equal programs would double the time
-        splits = max(1, min(tiles, (per_sm or dft.per_sm) * _sm_count(device) // blocks))
-        span = triton.cdiv(tiles, splits) * be
-    elif span % be or span <= 0:
-        raise ValueError(f"span {span} must be a positive multiple of block_e {be}")
-    return dict(BLOCK_Q=bq, BLOCK_E=be, span=span, num_warps=num_warps or dft.num_warps,
-                num_stages=num_stages or dft.num_stages, maxnreg=maxnreg or dft.maxnreg,
-                fp8_mode=Fp8Mode(fp8_mode))  # fmt: skip
 
 
 def _check(q, w, keys, rows: PoolRows, key_scale) -> None:
