@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import operator
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -255,11 +254,6 @@ class Runner:
             else None
         )
         self.memory = prefill_budget(model, dtype, self.device, memory_budget)
-        if index_format is CacheFormat.FP4 and self.device.type == "cuda":  # pragma: no cover
-            warnings.warn(
-                "FP4 indexer keys: no GPU kernel yet, the torch reference scores them",
-                stacklevel=2,
-            )
         self._step_hidden: torch.Tensor | None = None
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []

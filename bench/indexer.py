@@ -17,8 +17,12 @@
    the old path ``ops.index_scores(q, w, keys[slots])`` masked (slots precomputed, gathered per
    query as `adapters.paged` did before `PoolRows`; the prefill in chunks of 64 queries, whose
    gathered keys and ``(64, H, G)`` products fit). TB/s counts the key bytes read
-   (``B * G * d * bytes``) against 4.22 TB/s (the measured device-to-device copy).
-3. A small sweep of launch configurations (``--no-sweep`` skips it; so does the budget).
+   (``B * G * d * bytes``; FP4: ``d / 2`` bytes and its block scales) against 4.22 TB/s (the
+   measured device-to-device copy). FP4 keys (V4.1, `formats.quantize`) are checked and timed
+   beside bf16 and FP8 for decode B = 32 and the prefill (parts ``decode B32 fp4``,
+   ``prefill fp4``: a failure there is reported and the run goes on).
+3. A small sweep of launch configurations (``--no-sweep`` skips it; so does the budget), FP4
+   decode B = 32 among them (its defaults, `FP4_LAUNCH`, are unmeasured).
 4. Only with ``--fp8-candidates``, instead of 1-3 (about two minutes): the FP8 key paths,
    every `Fp8Mode` with a few launches each (`FP8_CANDIDATES`), beside bf16 keys, for decode B = 1
    and B = 32 over G = 262,144 and the prefill N = 2048 over G = 32,768. Each candidate is
@@ -61,6 +65,8 @@ from bench.meta import run_meta  # noqa: E402
 PEAK_TBPS = 4.22  # device-to-device copy measured on the lent H200 (KERNELS.md)
 SEED = 1234
 FP8 = torch.float8_e4m3fn
+FP4 = torch.uint8  # V4.1 FP4 keys: e2m1 codes two a byte, one fp32 scale per 32 channels
+KEY_TAGS = {torch.bfloat16: "bf16", FP8: "fp8", FP4: "fp4"}
 
 
 class Run:
@@ -134,6 +140,11 @@ class Run:
         if kdt == FP8:
             scale = torch.rand(pool_rows, generator=gen, device=dev) * 0.1 + 0.02
             keys = (keys / scale[:, None]).clamp(-448, 448)
+        if kdt == FP4:  # `formats.quantize`: the bytes and block scales the cache stores
+            from adapters.formats import CacheFormat, quantize
+
+            fp4 = quantize(keys, CacheFormat.FP4)
+            return q, w, fp4.values, fp4.scales
         return q, w, keys.to(kdt), scale
 
     # -- the paths
@@ -297,11 +308,13 @@ def checks(run: Run) -> None:
 
 def decode(run: Run, b: int, kdt, sweep: bool) -> None:
     g_rows = 512 if run.smoke else 262144
-    tag = "bf16" if kdt == torch.bfloat16 else "fp8"
+    tag = KEY_TAGS[kdt]
     shape = f"B{b} G{g_rows} {tag} spp16"
     sets = [run.decode_case(b, g_rows, kdt, 10 + b + i) for i in range(2 if b == 1 else 1)]
     q, w, keys, scale, rows = sets[0]
-    key_bytes = b * g_rows * run.dim * keys.element_size()
+    key_bytes = b * g_rows * keys.shape[1] * keys.element_size()
+    if kdt == FP4:  # its block scales are read too (FP8's row scale: not counted)
+        key_bytes += b * g_rows * scale.shape[1] * scale.element_size()
     outs = [torch.empty(b, g_rows, device=run.dev) for _ in sets]
     want = run.check(f"decode {shape} (timed shape)", *sets[0])
 
@@ -334,7 +347,7 @@ def decode(run: Run, b: int, kdt, sweep: bool) -> None:
 
 def prefill(run: Run, kdt, sweep: bool) -> None:
     n, g_rows = (16, 512) if run.smoke else (2048, 32768)
-    tag = "bf16" if kdt == torch.bfloat16 else "fp8"
+    tag = KEY_TAGS[kdt]
     shape = f"N{n} G{g_rows} {tag} shared causal"
     case = run.prefill_case(n, g_rows, kdt, 20)
     q, w, keys, scale, rows = case
@@ -406,6 +419,12 @@ SWEEP_DECODE = {
         dict(block_e=128, num_warps=4, per_sm=4),
     ],
     "fp8": [dict(block_e=256, num_warps=8), dict(block_e=128, num_warps=4)],
+    "fp4": [  # FP4_LAUNCH's decode default (64 x 4 warps, 3 per SM) is a guess from registers
+        dict(block_e=64, num_warps=4, per_sm=4),
+        dict(block_e=64, num_warps=8, per_sm=1),
+        dict(block_e=128, num_warps=8, per_sm=1),
+        dict(block_e=128, num_warps=8, per_sm=2, maxnreg=128),
+    ],
 }
 SWEEP_PREFILL = [
     dict(block_q=2, block_e=128, num_warps=8),
@@ -669,6 +688,8 @@ def main(argv=None) -> int:
         ("decode B1 fp8", lambda: decode(run, 1, FP8, False)),
         ("decode B32 fp8", lambda: decode(run, 32, FP8, False)),
         ("prefill fp8", lambda: prefill(run, FP8, False)),
+        ("decode B32 fp4", lambda: decode(run, 32, FP4, False)),  # V4.1 keys: unmeasured yet
+        ("prefill fp4", lambda: prefill(run, FP4, False)),
     ]
     if args.fp8_candidates:
         parts = [("fp8 candidates", lambda: fp8_candidates(run))]
@@ -678,6 +699,7 @@ def main(argv=None) -> int:
             ("sweep decode B32 bf16", lambda: decode(run, 32, bf, True)),
             ("sweep prefill bf16", lambda: prefill(run, bf, True)),
             ("sweep decode B32 fp8", lambda: decode(run, 32, FP8, True)),
+            ("sweep decode B32 fp4", lambda: decode(run, 32, FP4, True)),
         ]
     for name, part in parts:
         if name.startswith("sweep") and run.elapsed() > args.budget:

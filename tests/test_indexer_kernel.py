@@ -3,7 +3,8 @@ and the Triton kernel (`adapters.kernels.indexer`) against the reference under T
 interpreter at tiny shapes (see `interpreted`).
 
 The interpreter dots in fp32 (its 16-bit arithmetic is unreliable), so 16-bit and FP8 keys are
-checked through their loads and casts, and every FP8 path (`Fp8Mode`) through its operand
+checked through their loads and casts, FP4 keys through their unpacking and block scales (the
+fp32 values the GPU casts to bf16, exactly), and every FP8 path (`Fp8Mode`) through its operand
 layout, staging and q format; the 16-bit dot plans and the FP8 dots run on the GPU only
 (``bench/indexer.py`` checks them there, ``--fp8-candidates`` every FP8 path). Agreement:
 within fp32 rounding of the reference, and the same -inf positions exactly.
@@ -17,10 +18,12 @@ import pytest
 import torch
 from interpreted import interpreted_modules, run_check
 
+from adapters.formats import CacheFormat, quantize
 from adapters.kernels.indexer_reference import dequantize_keys, index_logits_reference
 from adapters.kernels.rows import PoolRows
 
 FP8 = torch.float8_e4m3fn
+U8 = torch.uint8  # FP4 keys: two e2m1 codes a byte
 
 
 def _literal(q, w, keys, rows: PoolRows, key_scale=None) -> torch.Tensor:
@@ -211,6 +214,63 @@ def check_fp8_modes(ix):
     _close(got, want)
 
 
+def _fp4(gen, keys):
+    """FP4 codes and block scales (`formats.quantize`) of ``keys`` times a power of two per
+    32-channel block (2**-4 .. 2**4: the block scales differ along each row)."""
+    s, d = keys.shape
+    blocks = torch.exp2(torch.randint(-4, 5, (s, d // 32), generator=gen).double())
+    fp4 = quantize((keys * blocks.repeat_interleave(32, 1)).float(), CacheFormat.FP4)
+    return fp4.values, fp4.scales
+
+
+def check_fp4_keys(ix):
+    """FP4 keys unpacked in the kernel against the reference's `dequantize_keys`: decode rows
+    through a page table (d = 32 over two programs per query, d = 64, d = 96 padded to 128;
+    every one of the 16 codes; lengths 0 / partial / full; fp32, bf16 and fp16 q), and queries
+    sharing one row set (causal lengths, blocks of four sharing each key tile)."""
+    gen = torch.Generator().manual_seed(26)
+    q_dtypes = {32: (torch.float32, torch.bfloat16), 64: (torch.float16,), 96: (torch.float32,)}
+    for d, knobs in ((32, dict(block_e=16, span=16)), (64, {}), (96, {})):
+        q, w, keys, rows = _case(gen, 3, 4, d, 4, 6, lengths=[0, 24, 13])
+        k4, s4 = _fp4(gen, keys)
+        assert k4.dtype == U8 and k4.shape == (keys.shape[0], d // 2)
+        assert torch.cat((k4 & 15, k4 >> 4)).unique().numel() == 16
+        for qd in q_dtypes[d]:
+            qq, ww = q.to(qd), w.to(qd)
+            want = index_logits_reference(qq, ww, k4, rows, key_scale=s4)
+            _close(ix.flash_index_logits(qq, ww, k4, rows, key_scale=s4, **knobs), want)
+    n = 6
+    pos = torch.arange(n) * 9 + 3
+    q, w, keys, rows = _case(gen, n, 4, 32, 4, 4, sets=1, lengths=(pos + 1) // 4)
+    k4, s4 = _fp4(gen, keys)
+    q, w = q.float(), w.float()
+    want = index_logits_reference(q, w, k4, rows, key_scale=s4)
+    got = ix.flash_index_logits(q, w, k4, rows, key_scale=s4, block_q=4, block_e=16)
+    _close(got, want)
+
+
+def check_fp4_errors(ix):
+    """FP4 keys without scales, with scales of the wrong shape, of the wrong width, with d not
+    a multiple of 32, uint8 q, or an FP8 mode."""
+    gen = torch.Generator().manual_seed(27)
+    q, w, keys, rows = _case(gen, 2, 4, 32, 4, 2)
+    q, w = q.float(), w.float()
+    k4, s4 = _fp4(gen, keys)
+    q48 = torch.zeros(2, 4, 48)
+    bad = [
+        lambda: ix.flash_index_logits(q, w, k4, rows),
+        lambda: ix.flash_index_logits(q, w, k4, rows, key_scale=s4[:, 0]),
+        lambda: ix.flash_index_logits(q, w, k4, rows, key_scale=s4.repeat(1, 2)),
+        lambda: ix.flash_index_logits(q, w, k4.repeat(1, 2), rows, key_scale=s4),
+        lambda: ix.flash_index_logits(q48, w, k4[:, :24], rows, key_scale=s4),
+        lambda: ix.flash_index_logits(q.to(U8), w, k4, rows, key_scale=s4),
+        lambda: ix.flash_index_logits(q, w, k4, rows, key_scale=s4, fp8_mode=ix.Fp8Mode.STAGED),
+    ]
+    for call in bad:
+        with pytest.raises(ValueError):
+            call()
+
+
 def check_empty_and_out(ix):
     gen = torch.Generator().manual_seed(23)
     q, w, keys, rows = _case(gen, 2, 4, 16, 4, 2)
@@ -256,6 +316,8 @@ def check_plans_and_config(ix):
     assert plan(bf, bf) == (1, 1, bf) and plan(f16, FP8) == (1, 1, f16) and plan(f16, f16)[0] == 1
     assert plan(f32, bf) == (3, 1, bf) and plan(f32, FP8)[:2] == (3, 1)
     assert plan(f32, f32)[:2] == (3, 3) and plan(bf, f16)[:2] == (1, 2)
+    assert plan(bf, U8) == (1, 1, bf) and plan(f16, U8) == (2, 1, bf)  # FP4: exact in bf16
+    assert plan(f32, U8)[:2] == (3, 1)
     cpu = torch.device("cpu")
     dec = ix.launch_config(1, 1 << 18, False, 2, plan(bf, bf), cpu)
     assert (dec["BLOCK_Q"], dec["BLOCK_E"], dec["span"]) == (1, 64, 1 << 16)  # 4 programs / SM
@@ -263,6 +325,9 @@ def check_plans_and_config(ix):
     assert (fp8["BLOCK_E"], fp8["num_warps"], fp8["span"]) == (128, 8, 1 << 17)  # 2 per query
     pre = ix.launch_config(2048, 1 << 15, True, 2, plan(bf, bf), cpu)
     assert pre["BLOCK_Q"] * 64 >= 256 and pre["span"] == 1 << 15
+    for shared in (False, True):  # FP4 keys: their own defaults
+        fp4 = ix.launch_config(32, 1 << 18, shared, 1, plan(bf, U8), cpu, fp4=True)
+        assert (fp4["BLOCK_Q"], fp4["BLOCK_E"], fp4["num_warps"]) == ix.FP4_LAUNCH[shared][:3]
     split = ix.launch_config(64, 4096, True, 2, plan(f32, f32), cpu)
     assert split["BLOCK_Q"] == 1 and split["num_stages"] == 2 and split["maxnreg"] is None
 
@@ -274,6 +339,7 @@ def check_fp8_mode_choice(ix):
     assert ix.fp8_mode_for(bf, FP8, True) == ix.FP8_PREFILL_MODE
     assert ix.fp8_mode_for(f32, FP8, False) == mode.DOT_A  # split operands: no choice
     assert ix.fp8_mode_for(bf, bf, True) == mode.DOT_A
+    assert ix.fp8_mode_for(bf, U8, False) == mode.DOT_A  # FP4 keys: one path
     assert ix.fp8_mode_for(bf, FP8, True, mode.FP8_DOT) == mode.FP8_DOT
     assert ix.fp8_mode_for(f32, bf, False, mode.DOT_A) == mode.DOT_A
     for q_dtype, k_dtype, m in ((f32, FP8, mode.KEYS_B), (bf, bf, mode.STAGED),
@@ -308,6 +374,8 @@ CHECKS = [
     "check_shared_rows",
     "check_key_dtypes",
     "check_fp8_modes",
+    "check_fp4_keys",
+    "check_fp4_errors",
     "check_empty_and_out",
     "check_errors",
     "check_plans_and_config",

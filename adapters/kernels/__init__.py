@@ -153,9 +153,9 @@ def index_logits(
 ) -> torch.Tensor:
     """``(N, G)`` indexer logits of ``q`` ``(N, H, d)`` (head weights ``w`` ``(N, H)``) over
     the pool ``keys`` read through ``rows``, -inf past each query's length; see
-    `indexer_reference.index_logits_reference`. FP4 keys (V4.1, packed uint8 with block
-    scales) run on the reference everywhere (no kernel yet; the runner warns on CUDA)."""
-    kernel = SPARSE_KERNELS and q.dtype != torch.float64 and keys.dtype != torch.uint8
+    `indexer_reference.index_logits_reference`. FP8 keys (``key_scale`` ``(S,)``) and FP4
+    keys (V4.1, packed uint8 with block scales ``(S, d // 32)``) go to the kernel on CUDA."""
+    kernel = SPARSE_KERNELS and q.dtype != torch.float64
     if kernel and use_triton(q):  # pragma: no cover - needs a GPU
         from .indexer import flash_index_logits
 

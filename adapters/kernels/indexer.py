@@ -22,6 +22,11 @@ Design, for bandwidth (decode) and tensor-core throughput (prefill):
   Other mixes split fp32 (fp16) operands into three (two) bf16 parts whose sum is the value
   and add the part products above fp32 rounding (`dot_plan`: fp32 q x bf16 keys is 3 dots).
   FP8 dots are multiplied by the row's scale before the relu (``q . (k s) = s (q . k)``).
+* FP4 keys (V4.1: uint8, two e2m1 codes a byte, one fp32 scale per 32 channels) are unpacked
+  in registers by arithmetic (`indexer_keys`), times their block scales (the scale varies
+  along d: applied before the dot), and meet q as bf16 keys would (grid values times powers
+  of two are exact in bf16): one dot for bf16 q, split q parts otherwise; launch defaults
+  `FP4_LAUNCH` (unmeasured).
 * FP8 keys with 16-bit q take one of several paths (`Fp8Mode`: where the FP8 tile is
   converted, which dot operand it is, or fp8 x fp8 dots with q in two e4m3 parts), chosen by
   `FP8_DECODE_MODE` / `FP8_PREFILL_MODE`; each has its launch defaults in `ONE_DOT_LAUNCH`
@@ -40,9 +45,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .indexer_keys import _keys, _slots
 from .indexer_operands import _dot16, _fp8_q, _q_operands, _scaled_q
 from .indexer_plan import (
     _PARTS,
+    FP4_LAUNCH,
     FP8_DECODE_MODE,
     FP8_PREFILL_MODE,
     INTERPRETER_PLAN,
@@ -54,10 +61,11 @@ from .indexer_plan import (
     fp8_mode_for,
     launch_config,
 )
-from .indexer_reference import FP8_DTYPES
+from .indexer_reference import FP4_DTYPE, FP8_DTYPES
 from .rows import PoolRows
 
 __all__ = [
+    "FP4_LAUNCH",
     "FP8_DECODE_MODE",
     "FP8_PREFILL_MODE",
     "INTERPRETER_PLAN",
@@ -73,28 +81,6 @@ __all__ = [
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@triton.jit
-def _slots(tab_row, e0, stop, SPP: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Pool slots ``(BLOCK_E,)`` of rows ``e0 ..`` (slot 0 from ``stop`` on)."""
-    g = e0 + tl.arange(0, BLOCK_E)
-    page = tl.load(tab_row + g // SPP, mask=g < stop, other=0).to(tl.int64)
-    return page * SPP + g % SPP
-
-
-@triton.jit
-def _keys(k_ptr, sc_ptr, slot, e0, stop, stride_k, dd, D: tl.constexpr, BLOCK_E: tl.constexpr,
-          HAS_SCALE: tl.constexpr):  # fmt: skip
-    """Keys ``(BLOCK_E, DP)`` and scales of rows ``e0 ..`` at ``slot`` (zeros from ``stop``)."""
-    g_ok = e0 + tl.arange(0, BLOCK_E) < stop
-    k_msk = g_ok[:, None] & (dd[None, :] < D)
-    k = tl.load(k_ptr + slot[:, None] * stride_k + dd[None, :], mask=k_msk, other=0.0)
-    if HAS_SCALE:
-        sc = tl.load(sc_ptr + slot, mask=g_ok, other=0.0).to(tl.float32)
-    else:
-        sc = tl.full((BLOCK_E,), 1.0, tl.float32)
-    return k, sc
 
 
 @triton.jit
@@ -175,6 +161,7 @@ def _span(
     BQ: tl.constexpr,
     BLOCK_E: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    FP4: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     K_PARTS: tl.constexpr,
     Q_PARTS: tl.constexpr,
@@ -220,7 +207,8 @@ def _span(
     tab_row = tab_ptr + r.to(tl.int64) * stride_t
     if KEY_OPERAND == 2:  # tile 0 converted: a loop-carried dot operand
         slot = _slots(tab_row, e_lo, stop, SPP, BLOCK_E)
-        k, sc = _keys(k_ptr, sc_ptr, slot, e_lo, stop, stride_k, dd, D, BLOCK_E, HAS_SCALE)
+        k, sc = _keys(k_ptr, sc_ptr, slot, e_lo, stop, stride_k, dd, D, BLOCK_E, HAS_SCALE,
+                      FP4)  # fmt: skip
         kb = _operand(k, DOT_DTYPE, Q_PARTS == 0)
         if AHEAD:  # decode, latency-bound: the table read a tile further ahead (a prefill's
             # table row is hot in cache, and there registers set the occupancy)
@@ -232,7 +220,7 @@ def _span(
             if not AHEAD:
                 slot = _slots(tab_row, e1, stop, SPP, BLOCK_E)
             k, sc_next = _keys(k_ptr, sc_ptr, slot, e1, stop, stride_k, dd, D, BLOCK_E,
-                               HAS_SCALE)  # fmt: skip
+                               HAS_SCALE, FP4)  # fmt: skip
             if AHEAD:
                 slot = _slots(tab_row, e1 + BLOCK_E, stop, SPP, BLOCK_E)
             s = _rows_dot(kb, q1, q2, q3, DOT_DTYPE, K_PARTS, Q_PARTS, Q_FORMAT)
@@ -241,7 +229,8 @@ def _span(
             sc = sc_next
         else:
             slot = _slots(tab_row, e0, stop, SPP, BLOCK_E)
-            k, sc = _keys(k_ptr, sc_ptr, slot, e0, stop, stride_k, dd, D, BLOCK_E, HAS_SCALE)
+            k, sc = _keys(k_ptr, sc_ptr, slot, e0, stop, stride_k, dd, D, BLOCK_E, HAS_SCALE,
+                          FP4)  # fmt: skip
             if KEY_OPERAND == 1:  # (BQ*HP, BLOCK_E)
                 if Q_PARTS == 0:
                     s = tl.dot(tl.trans(q1), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -286,6 +275,7 @@ def _index_kernel(
     BLOCK_E: tl.constexpr,
     HAS_QROW: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    FP4: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     K_PARTS: tl.constexpr,
     Q_PARTS: tl.constexpr,
@@ -303,7 +293,7 @@ def _index_kernel(
     if BLOCK_Q == 1:
         _span(q_ptr, w_ptr, k_ptr, sc_ptr, tab_ptr, len_ptr, out_ptr, n0, r0, e_lo, e_hi, N, G,
               stride_qn, stride_qh, stride_wn, stride_k, stride_t, stride_o, H, D, HP, DP, SPP,
-              1, BLOCK_E, HAS_SCALE, DOT_DTYPE, K_PARTS, Q_PARTS, KEY_OPERAND, Q_FORMAT,
+              1, BLOCK_E, HAS_SCALE, FP4, DOT_DTYPE, K_PARTS, Q_PARTS, KEY_OPERAND, Q_FORMAT,
               True)  # fmt: skip
     else:
         j = tl.arange(0, BLOCK_Q)
@@ -311,29 +301,34 @@ def _index_kernel(
         if tl.min(rs, axis=0) == tl.max(rs, axis=0):  # one row set: share every key tile
             _span(q_ptr, w_ptr, k_ptr, sc_ptr, tab_ptr, len_ptr, out_ptr, n0, r0, e_lo, e_hi,
                   N, G, stride_qn, stride_qh, stride_wn, stride_k, stride_t, stride_o, H, D, HP,
-                  DP, SPP, BLOCK_Q, BLOCK_E, HAS_SCALE, DOT_DTYPE, K_PARTS, Q_PARTS, KEY_OPERAND,
-                  Q_FORMAT, False)  # fmt: skip
+                  DP, SPP, BLOCK_Q, BLOCK_E, HAS_SCALE, FP4, DOT_DTYPE, K_PARTS, Q_PARTS,
+                  KEY_OPERAND, Q_FORMAT, False)  # fmt: skip
         else:  # query by query, each through its own row set
             for i in range(0, tl.minimum(N - n0, BLOCK_Q)):  # pragma: no branch - (as above)
                 ri = tl.load(qrow_ptr + n0 + i)
                 _span(q_ptr, w_ptr, k_ptr, sc_ptr, tab_ptr, len_ptr, out_ptr, n0 + i, ri, e_lo,
                       e_hi, N, G, stride_qn, stride_qh, stride_wn, stride_k, stride_t, stride_o,
-                      H, D, HP, DP, SPP, 1, BLOCK_E, HAS_SCALE, DOT_DTYPE, K_PARTS,
+                      H, D, HP, DP, SPP, 1, BLOCK_E, HAS_SCALE, FP4, DOT_DTYPE, K_PARTS,
                       Q_PARTS, KEY_OPERAND, Q_FORMAT, False)  # fmt: skip
 
 
 def _check(q, w, keys, rows: PoolRows, key_scale) -> None:
-    if q.dim() != 3 or w.shape != q.shape[:2] or keys.dim() != 2 or keys.shape[1] != q.shape[2]:
+    fp4 = keys.dtype == FP4_DTYPE  # two channels a byte, one scale per 32 channels
+    d = q.shape[2] if q.dim() == 3 else -1
+    width = d // 2 if fp4 else d
+    if d < 0 or w.shape != q.shape[:2] or keys.dim() != 2 or keys.shape[1] != width:
         raise ValueError(f"q {tuple(q.shape)}, w {tuple(w.shape)}, keys {tuple(keys.shape)}")
-    if q.dtype not in _PARTS or q.dtype in FP8_DTYPES or keys.dtype not in _PARTS:
+    if q.dtype not in _PARTS or q.dtype in FP8_DTYPES + (FP4_DTYPE,) or keys.dtype not in _PARTS:
         raise ValueError(
             f"q {q.dtype} / keys {keys.dtype}: the kernel takes fp32/bf16/fp16 q and "
-            "fp32/bf16/fp16/float8_e4m3fn keys (fp64: index_logits_reference)"
+            "fp32/bf16/fp16/float8_e4m3fn/FP4 (uint8) keys (fp64: index_logits_reference)"
         )
     if rows.num_queries != q.shape[0]:
         raise ValueError(f"rows has {rows.num_queries} queries, q {q.shape[0]}")
     if keys.dtype in FP8_DTYPES and (key_scale is None or key_scale.shape != keys.shape[:1]):
         raise ValueError("FP8 keys need key_scale (one fp32 scale per pool row)")
+    if fp4 and (d % 32 or key_scale is None or key_scale.shape != (keys.shape[0], d // 32)):
+        raise ValueError("FP4 keys need d % 32 == 0 and key_scale (S, d // 32): one per 32")
     if keys.stride(1) != 1:
         raise ValueError("keys must be contiguous along d (the pool is read in place)")
 
@@ -350,13 +345,15 @@ def flash_index_logits(
 ) -> torch.Tensor:
     """``(N, G)`` fp32 logits of ``q`` ``(N, H, d)`` (fp32/bf16/fp16) with head weights ``w``
     ``(N, H)`` over the pool ``keys`` ``(S, d)`` (bf16/fp16/fp32, or ``float8_e4m3fn`` with
-    ``key_scale`` ``(S,)``) read in place through ``rows``; -inf past each query's length
-    (lengths are clamped to ``[0, G]``). Written into ``out`` (fp32 ``(N, G)``, unit stride
+    ``key_scale`` ``(S,)``, or FP4: uint8 ``(S, d // 2)``, two e2m1 codes a byte, with
+    ``key_scale`` ``(S, d // 32)``) read in place through ``rows``; -inf past each query's
+    length (lengths are clamped to ``[0, G]``). Written into ``out`` (fp32 ``(N, G)``, unit stride
     along G) when given. The ``knobs`` (``fp8_mode``, ``block_q``, ``block_e``, ``span``,
     ``num_warps``, ``num_stages``, ``per_sm``, ``maxnreg``) override `fp8_mode_for` and
     `launch_config`.
     Raises `ValueError` for inconsistent shapes, other dtypes (fp64 is the reference's), FP8
-    keys without scales, keys not contiguous along d, or an FP8 mode that does not apply."""
+    or FP4 keys without (the right) scales, keys not contiguous along d, or an FP8 mode that
+    does not apply."""
     _check(q, w, keys, rows, key_scale)
     n, h, d = q.shape
     g = rows.num_rows
@@ -374,19 +371,21 @@ def flash_index_logits(
     shared = rows.qrow is not None
     plan = INTERPRETER_PLAN if _INTERPRETED else dot_plan(q.dtype, keys.dtype)
     mode = fp8_mode_for(q.dtype, keys.dtype, shared, knobs.pop("fp8_mode", None))
-    cfg = launch_config(n, g, shared, keys.element_size(), plan, q.device, fp8_mode=mode, **knobs)
+    fp4, scaled = keys.dtype == FP4_DTYPE, keys.dtype in FP8_DTYPES + (FP4_DTYPE,)
+    cfg = launch_config(n, g, shared, keys.element_size(), plan, q.device, fp8_mode=mode,
+                        fp4=fp4, **knobs)  # fmt: skip
     span, bq, mode = cfg.pop("span"), cfg["BLOCK_Q"], cfg.pop("fp8_mode")
     if cfg["maxnreg"] is None:
         del cfg["maxnreg"]
     dot_dtype = tl.float16 if mode.q_format == 1 else _DOT_DTYPES.get(plan.dtype, tl.bfloat16)
-    scale = key_scale.contiguous() if key_scale is not None and keys.dtype in FP8_DTYPES else None
+    scale = key_scale.contiguous() if key_scale is not None and scaled else None
     grid = (triton.cdiv(n, bq), triton.cdiv(g, span))
     _index_kernel[grid](
         q, w, keys, out if scale is None else scale, table, lengths, qrow, out,
         n, g, span, q.stride(0), q.stride(1), w.stride(0), keys.stride(0), table.stride(0),
         out.stride(0), H=h, D=d, HP=max(16, triton.next_power_of_2(h)),
         DP=max(16, triton.next_power_of_2(d)), SPP=rows.slots_per_page, HAS_QROW=shared,
-        HAS_SCALE=scale is not None, DOT_DTYPE=dot_dtype, K_PARTS=plan.k_parts,
+        HAS_SCALE=scale is not None and not fp4, FP4=fp4, DOT_DTYPE=dot_dtype, K_PARTS=plan.k_parts,
         Q_PARTS=plan.q_parts, KEY_OPERAND=mode.key_operand, Q_FORMAT=mode.q_format, **cfg,
     )  # fmt: skip
     return out

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from .indexer_reference import FP8_DTYPES
+from .indexer_reference import FP4_DTYPE, FP8_DTYPES
 
 #: q dtypes that dot in their own 16 bits
 DOT_16 = (torch.bfloat16, torch.float16)
@@ -37,16 +37,21 @@ class DotPlan(NamedTuple):
     dtype: torch.dtype
 
 
-_PARTS = {torch.bfloat16: 1, torch.float8_e4m3fn: 1, torch.float16: 2, torch.float32: 3}
+# FP4 keys (uint8 codes): unpacked times their block scales, exact in bf16 (not in fp16)
+_PARTS = {torch.bfloat16: 1, torch.float8_e4m3fn: 1, FP4_DTYPE: 1, torch.float16: 2,
+          torch.float32: 3}  # fmt: skip
 # The interpreter's 16-bit arithmetic is unreliable (KERNELS.md): there, fp32 dots only.
 INTERPRETER_PLAN = DotPlan(0, 0, torch.float32)
 
 
 def dot_plan(q_dtype: torch.dtype, key_dtype: torch.dtype) -> DotPlan:
-    """The GPU plan: 16-bit q with keys of its dtype (or FP8, exact in it): one dot in that
-    dtype; other mixes: fp32 (3 parts), fp16 (2) and bf16 / FP8 (1) operands split into bf16
-    parts. Raises `KeyError` for other dtypes."""
+    """The GPU plan: 16-bit q with keys of its dtype (or FP8, exact in it), bf16 q with FP4
+    keys (their scaled values are exact in bf16): one dot in that dtype; other mixes: fp32 (3
+    parts), fp16 (2) and bf16 / FP8 / FP4 (1) operands split into bf16 parts. Raises
+    `KeyError` for other dtypes."""
     if q_dtype in DOT_16 and (key_dtype == q_dtype or key_dtype in FP8_DTYPES):
+        return DotPlan(1, 1, q_dtype)
+    if q_dtype == torch.bfloat16 and key_dtype == FP4_DTYPE:
         return DotPlan(1, 1, q_dtype)
     return DotPlan(_PARTS[q_dtype], _PARTS[key_dtype], torch.bfloat16)
 
@@ -130,6 +135,10 @@ ONE_DOT_LAUNCH = {  # (shared, FP8 mode or None: 16-bit keys)
     (False, Fp8Mode.FP8_DOT): Launch(1, 128, 8, 2, 4),
     (True, Fp8Mode.FP8_DOT): Launch(2, 64, 8, 2, 3, 128),
 }
+# FP4 keys (by shared), unmeasured: compiled without a GPU (Triton 3.9, sm_90a), decode 128
+# rows x 8 warps take 152 registers a thread, one program per SM (FP8 DOT_A's defaults would
+# run in two waves); 64 rows x 4 warps 152, three per SM. Prefill: FP8 DOT_A's (167, as 169).
+FP4_LAUNCH = {False: Launch(1, 64, 4, 3, 3), True: ONE_DOT_LAUNCH[(True, Fp8Mode.DOT_A)]}
 
 
 def fp8_mode_for(
@@ -161,6 +170,7 @@ def launch_config(
     device: torch.device,
     *,
     fp8_mode: Fp8Mode = Fp8Mode.DOT_A,
+    fp4: bool = False,
     block_q: int | None = None,
     block_e: int | None = None,
     span: int | None = None,
@@ -170,14 +180,16 @@ def launch_config(
     maxnreg: int | None = None,
 ) -> dict:
     """The launch of ``n`` queries over ``g`` rows (``shared``: queries carry ``qrow``) with
-    keys of ``key_bytes`` (1: FP8, through ``fp8_mode``): ``BLOCK_Q``, ``BLOCK_E``, ``span``
-    (rows per program, a multiple of ``BLOCK_E``), ``num_warps``, ``num_stages``,
-    ``maxnreg`` (None: the compiler's choice), ``fp8_mode``; the keyword knobs override the
-    defaults (benchmark sweeps). Without sharing a program takes one query; rows are split so
-    that up to ``per_sm`` programs per SM (by default as many as are resident at once) run in
-    one wave. Raises `ValueError` for block sizes that are not powers of two of at least 16
-    rows (``tl.dot``)."""
-    if plan.q_parts * plan.k_parts <= 1:
+    keys of ``key_bytes`` (1: FP8, through ``fp8_mode``; ``fp4``: FP4 codes, one dot with
+    `FP4_LAUNCH`): ``BLOCK_Q``, ``BLOCK_E``, ``span`` (rows per program, a multiple of
+    ``BLOCK_E``), ``num_warps``, ``num_stages``, ``maxnreg`` (None: the compiler's choice),
+    ``fp8_mode``; the keyword knobs override the defaults (benchmark sweeps). Without sharing
+    a program takes one query; rows are split so that up to ``per_sm`` programs per SM (by
+    default as many as are resident at once) run in one wave. Raises `ValueError` for block
+    sizes that are not powers of two of at least 16 rows (``tl.dot``)."""
+    if plan.q_parts * plan.k_parts <= 1 and fp4:
+        dft = FP4_LAUNCH[shared]
+    elif plan.q_parts * plan.k_parts <= 1:
         dft = ONE_DOT_LAUNCH[(shared, Fp8Mode(fp8_mode) if key_bytes == 1 else None)]
     else:  # several dots from split operands: fewer queries per tile (registers, shared memory)
         bq = 2 if shared and plan.k_parts == 1 else 1
