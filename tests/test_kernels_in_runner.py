@@ -1,8 +1,9 @@
 """The runner with the Triton indexer and attention kernels in place of their references: the
 kernels run under Triton's CPU interpreter (see `interpreted`) inside the paged prefill (shared
 request tables, causal lengths, a step holding two requests), the eager graph-decode path (page
-tables) and the FP8 indexer keys, and every sampled logit row equals the dense reference's
-within fp32 rounding. This is the integration the GPU runs; here it needs no GPU."""
+tables) and with FP8 pools (indexer keys and window KV). Every sampled logit row equals the
+dense reference's within 5e-6 (fp32 pools; FP8 pools: within 10 % of the largest logit). This
+is the integration the GPU runs; here it needs no GPU."""
 
 from __future__ import annotations
 
@@ -55,11 +56,13 @@ def _check_runner(graph: bool, fmt: CacheFormat, indexer, attention) -> None:
 
     _with_kernels(indexer, attention, run)
     assert len(rows) == len(PROMPTS) * 3
-    tol = 2e-4 if fmt is CacheFormat.BF16 else 0.1  # FP8: the reference keeps fp32 keys
     for seq, got in rows:
         want = reference_logits(weights, seq)[-1]
         diff = (got - want).abs().max().item()
-        assert diff <= tol * max(1.0, want.abs().max().item()), (len(seq), diff)
+        if fmt is CacheFormat.BF16:  # the issue's fp32 bound (1.8e-6 measured)
+            assert diff <= 5e-6, (len(seq), diff)
+        else:  # FP8 pools: the reference keeps fp32 keys and windows
+            assert 0 < diff <= 0.1 * want.abs().max().item(), (len(seq), diff)
 
 
 def check_paged_prefill_and_decode(indexer, attention) -> None:
