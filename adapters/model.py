@@ -63,12 +63,13 @@ def layer_forward(
     x, post, res = ops.hc_mix(streams, lw.hc_attn, cfg.sinkhorn_iters, cfg.norm_eps)
     xn = ops.rms_norm(x, lw.attn_norm, cfg.norm_eps)
     q = (xn @ lw.w_q).view(n, cfg.num_heads, cfg.head_dim)
-    q = ops.rope(q, positions, cfg.rope_dim, cfg.rope_theta)
+    # q, kv and attn are fresh tensors: each is rotated in place
+    q = ops.rope(q, positions, cfg.rope_dim, cfg.rope_theta, inplace=True)
     kv = ops.rms_norm(xn @ lw.w_kv, lw.kv_norm, cfg.norm_eps)
-    kv = ops.rope(kv, positions, cfg.rope_dim, cfg.rope_theta)
+    kv = ops.rope(kv, positions, cfg.rope_dim, cfg.rope_theta, inplace=True)
     attn = keys.attend(LayerInput(index, lw, xn, q, kv, positions))
     # K = V carries RoPE in its last channels: rotate the output back to position-free values.
-    attn = ops.rope(attn, positions, cfg.rope_dim, cfg.rope_theta, inverse=True)
+    attn = ops.rope(attn, positions, cfg.rope_dim, cfg.rope_theta, inverse=True, inplace=True)
     streams = ops.hc_merge(streams, attn.reshape(n, -1) @ lw.w_o, post, res)
     x, post, res = ops.hc_mix(streams, lw.hc_ffn, cfg.sinkhorn_iters, cfg.norm_eps)
     y = ops.swiglu(ops.rms_norm(x, lw.ffn_norm, cfg.norm_eps), lw.w_gate, lw.w_up, lw.w_down)

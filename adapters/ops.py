@@ -20,10 +20,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope(
-    x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float, inverse: bool = False
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    rope_dim: int,
+    theta: float,
+    inverse: bool = False,
+    *,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """Rotates the last ``rope_dim`` channels of ``x`` (shape ``(N, ..., dim)``) by the angle of
-    ``positions`` (shape ``(N,)``); ``inverse`` undoes it."""
+    ``positions`` (shape ``(N,)``); ``inverse`` undoes it. ``inplace`` writes them into ``x``
+    and returns it (the same values; for a fresh ``x`` nothing else reads: it saves copying
+    the other channels, which are most of a query)."""
     half = rope_dim // 2
     dt = acc_dtype(x)
     freqs = theta ** (-torch.arange(half, device=x.device, dtype=dt) / half)
@@ -35,11 +43,30 @@ def rope(
     rot = x[..., -rope_dim:].to(dt)
     a, b = rot[..., :half], rot[..., half:]
     out = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1).to(x.dtype)
+    if inplace:
+        x[..., -rope_dim:] = out
+        return x
     return torch.cat((x[..., :-rope_dim], out), dim=-1)
 
 
+def _hc_kernels(t: torch.Tensor) -> bool:
+    """Whether the mHC work on ``t`` goes to `adapters.kernels.hc` (CUDA, not fp64)."""
+    from . import kernels
+
+    return kernels.HC_KERNELS and kernels.use_triton(t) and t.dtype != torch.float64
+
+
 def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
-    """Doubly-stochastic matrices from ``(N, S, S)`` logits (Sinkhorn-Knopp in the exp domain)."""
+    """Doubly-stochastic matrices from ``(N, S, S)`` logits (Sinkhorn-Knopp in the exp domain):
+    one fused launch on CUDA (`kernels.hc.flash_sinkhorn`), else `sinkhorn_reference`."""
+    if _hc_kernels(logits):  # pragma: no cover - needs a GPU
+        from .kernels.hc import flash_sinkhorn
+
+        return flash_sinkhorn(logits, iters)
+    return sinkhorn_reference(logits, iters)
+
+
+def sinkhorn_reference(logits: torch.Tensor, iters: int) -> torch.Tensor:
     m = torch.exp(logits - logits.amax(dim=(-1, -2), keepdim=True))
     for _ in range(iters):
         m = m / m.sum(-1, keepdim=True)
@@ -64,7 +91,18 @@ def hc_mix(
 def hc_merge(
     streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, res: torch.Tensor
 ) -> torch.Tensor:
-    """New residual streams: mixed old streams plus the sub-block output on each stream."""
+    """New residual streams: mixed old streams plus the sub-block output on each stream; one
+    fused launch on CUDA (`kernels.hc.flash_hc_merge`), else `hc_merge_reference`."""
+    if _hc_kernels(streams):  # pragma: no cover - needs a GPU
+        from .kernels.hc import flash_hc_merge
+
+        return flash_hc_merge(streams, out, post, res)
+    return hc_merge_reference(streams, out, post, res)
+
+
+def hc_merge_reference(
+    streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, res: torch.Tensor
+) -> torch.Tensor:
     return torch.einsum("nst,ntd->nsd", res, streams) + post[:, :, None] * out[:, None, :]
 
 

@@ -112,7 +112,19 @@ class _Seq:
 
     @property
     def tokens(self) -> list[int]:
+        """Prompt and output so far: a new list (O(length)); `num_tokens` counts them."""
         return self.result.prompt + self.result.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.result.prompt) + len(self.result.output)
+
+    def token_slice(self, lo: int, hi: int) -> list[int]:
+        """``tokens[lo:hi]`` without building the whole list."""
+        prompt, n = self.result.prompt, len(self.result.prompt)
+        if hi <= n:
+            return prompt[lo:hi]
+        return prompt[lo:n] + self.result.output[max(lo - n, 0) : hi - n]
 
     @property
     def req(self) -> Request:
@@ -368,10 +380,10 @@ class Runner:
     def _fits(self, seq: _Seq) -> bool:
         """Admission control: room for the whole request in both pools right now."""
         st, p = self.cache.stats(), self.cache.config.page_size
-        need = -(-(len(seq.tokens) + seq.params.max_new_tokens + self.spec_tokens) // p)
+        need = -(-(seq.num_tokens + seq.params.max_new_tokens + self.spec_tokens) // p)
         full_room = st.full.free_pages + st.full.evictable_pages
         swa_room = st.swa.free_pages + st.swa.evictable_pages
-        window_pages = -(-(self.cache.config.window + min(self.chunk_tokens, len(seq.tokens))) // p)
+        window_pages = -(-(self.cache.config.window + min(self.chunk_tokens, seq.num_tokens)) // p)
         return need <= full_room and window_pages + 1 <= swa_room
 
     def _preempt(self) -> bool:
@@ -525,7 +537,7 @@ class Runner:
             seqs.append(seq)
         if not parts:
             return 0
-        chunks = [s.tokens[lo:hi] for s, (_, lo, hi) in zip(seqs, parts)]
+        chunks = [s.token_slice(lo, hi) for s, (_, lo, hi) in zip(seqs, parts)]
         plans = [self.cache.read_plan(s.req) for s in seqs]  # window [replay_start, prefix_len)
         self._forward(seqs, chunks, replay_step(parts), [], plans)
         for seq, (alloc, _, hi) in zip(seqs, parts):
@@ -540,7 +552,7 @@ class Runner:
         for seq in self._running:
             if seq.decoding or seq.replay_at is not None or budget == 0:
                 continue
-            entries += visible_entries(self.model, len(seq.tokens))
+            entries += visible_entries(self.model, seq.num_tokens)
             taken = self.chunk_tokens - budget
             want = min(budget, max(0, self.memory.step_tokens(entries, self.chunk_tokens) - taken))
             chunk = seq.req.prompt_remaining[: self._fit_tokens(seq, want, pages_left)].tolist()
@@ -597,7 +609,7 @@ class Runner:
 
     def _decode(self) -> list[GenerationResult]:
         seqs = [s for s in self._running if s.decoding and s.result.finish_reason is None]
-        seqs = [s for s in seqs if s.req.length == len(s.tokens) - 1]  # one token pending
+        seqs = [s for s in seqs if s.req.length == s.num_tokens - 1]  # one token pending
         if self.offload is not None:
             seqs = self._fit_decode_batch(seqs)
         if not seqs:

@@ -18,8 +18,23 @@ LOGITS_TILE_BYTES = 1 << 30
 
 
 def logits_tile_rows(num_rows: int, tile_bytes: int = LOGITS_TILE_BYTES) -> int:
-    """Queries per tile when each scores ``num_rows`` entries."""
-    return max(1, tile_bytes // (4 * max(1, num_rows)))
+    """Queries per tile when each scores ``num_rows`` entries: the largest power of two whose
+    logits fit ``tile_bytes``.
+
+    A power of two, so that a chunk of a power-of-two token count splits into equal tiles and a
+    long prompt meets only a handful of tile shapes: every new shape of the indexer and top-k
+    launches is a new Triton specialisation (divisibility, CTAs per row), seconds of compiling
+    the first time (at 1M tokens, 13 shapes cost about half the prefill before this rule)."""
+    most = max(1, tile_bytes // (4 * max(1, num_rows)))
+    return 1 << (most.bit_length() - 1)
+
+
+def query_tiles(
+    num_queries: int, num_rows: int, tile_bytes: int = LOGITS_TILE_BYTES
+) -> list[slice]:
+    """The query ranges `select_entries` scores at once."""
+    step = logits_tile_rows(num_rows, tile_bytes)
+    return [slice(a, min(a + step, num_queries)) for a in range(0, num_queries, step)]
 
 
 def select_entries(
@@ -38,12 +53,10 @@ def select_entries(
     n, k = q.shape[0], min(topk, rows.num_rows)
     slots = torch.zeros((n, k), dtype=torch.long, device=q.device)
     valid = torch.zeros((n, k), dtype=torch.bool, device=q.device)
-    step = logits_tile_rows(rows.num_rows, tile_bytes)
-    for a in range(0, n, step):
-        part = rows.select(slice(a, a + step))
-        logits = kernels.index_logits(q[a : a + step], w[a : a + step], keys, part,
-                                      key_scale=key_scale)  # fmt: skip
+    for tile in query_tiles(n, rows.num_rows, tile_bytes):
+        part = rows.select(tile)
+        logits = kernels.index_logits(q[tile], w[tile], keys, part, key_scale=key_scale)
         values, indices = ops.topk_lowest_index(logits, k, lengths=part.lengths)
-        slots[a : a + step] = part.slots_of(indices)
-        valid[a : a + step] = torch.isfinite(values)
+        slots[tile] = part.slots_of(indices)
+        valid[tile] = torch.isfinite(values)
     return slots, valid

@@ -39,6 +39,7 @@ from adapters.runner import Runner  # noqa: E402
 from adapters.sampling import SamplingParams  # noqa: E402
 from adapters.tokenizer import ByteTokenizer  # noqa: E402
 from adapters.weights import init_weights  # noqa: E402
+from bench.compile_watch import CompileWatch  # noqa: E402
 from bench.meta import run_meta  # noqa: E402
 
 TAIL = 64
@@ -137,7 +138,12 @@ def point(args, model, weights, data: bytes, context: int) -> dict:
     runner = make_runner(model, weights, context, args.batch, args.new_tokens, args.chunk, fmt)
     digest = hashlib.sha256(bytes(t for t in prompt if t < 256)).hexdigest()[:16]
     row: dict[str, object] = dict(kv_format=args.kv_format, context=len(prompt), sha256=digest)
+    seen = len(args.watch.events) if args.watch else 0
     row.update(prefill_point(runner, prompt, args.new_tokens))
+    if args.watch:
+        new = args.watch.events[seen:]
+        row["triton_compiles"] = len(new)
+        row["triton_compile_s"] = sum(e[3] for e in new)
     if args.batch:
         row.update(batch_point(runner, prompt, data, args.batch, args.new_tokens))
     row["prefill_tokens"] = runner.stats.prefill_tokens  # the batch's reuse shows here
@@ -171,6 +177,7 @@ def main() -> int:
     model = preset(args.model)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     weights = init_weights(model, args.device, dtype)
+    args.watch = CompileWatch.install() if args.device == "cuda" else None
     out = dict(meta=run_meta(), rows=[])
     print(json.dumps(out["meta"]), flush=True)
     paths = ["kernels", "torch"] if args.paths == "both" else [args.paths]
@@ -192,6 +199,8 @@ def main() -> int:
                 r["batch_ratio_to_first"] = (
                     r["batch_decode_tokens_per_s"] / base["batch_decode_tokens_per_s"]
                 )
+    if args.watch:
+        print(args.watch.summary(), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

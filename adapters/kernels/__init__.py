@@ -17,6 +17,7 @@ only on the first CUDA call, so importing this package never needs it (and a tes
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import types
 
@@ -54,6 +55,10 @@ TRITON_AVAILABLE: bool = importlib.util.find_spec("triton") is not None
 #: Route `index_logits` / `sparse_attention` on CUDA to the Triton kernels; benchmarks set it to
 #: False to time the tiled torch references (gathered keys) in the same process.
 SPARSE_KERNELS = True
+
+#: Route the mHC merge and Sinkhorn (`adapters.ops.hc_merge`, `adapters.ops.sinkhorn`) on CUDA
+#: to `kernels.hc`; ``ADAPTERS_HC_KERNELS=0`` (or False at run time) keeps the torch references.
+HC_KERNELS = os.environ.get("ADAPTERS_HC_KERNELS", "1") != "0"
 
 
 class _Package(types.ModuleType):

@@ -1,0 +1,102 @@
+"""Where a long real prompt's prefill and decode time goes (GPU): torch.profiler + cProfile.
+
+Warms up on a short prompt (kernel compiles), then profiles ``--profile-chunks`` prefill steps
+and ``--decode-steps`` decode steps of one ``--context``-token prompt through the runner, and
+prints the top ops by CUDA time and the top host functions by cumulative time.
+
+    python bench/profile_runner.py --context 131072 --out profile_dir
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from adapters.formats import CacheFormat  # noqa: E402
+from adapters.model_config import preset  # noqa: E402
+from adapters.sampling import SamplingParams  # noqa: E402
+from adapters.tokenizer import ByteTokenizer  # noqa: E402
+from adapters.weights import init_weights  # noqa: E402
+from bench.long_context import corpus, make_runner  # noqa: E402
+from bench.meta import run_meta  # noqa: E402
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _steps(runner, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        _sync()
+        t0 = time.perf_counter()
+        runner.step()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def profiled(runner, n: int, label: str, out: Path) -> None:
+    prof = cProfile.Profile()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as tp:
+        prof.enable()
+        times = _steps(runner, n)
+        prof.disable()
+    print(f"== {label}: step ms {[round(t * 1e3, 1) for t in times]}", flush=True)
+    table = tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(45)
+    (out / f"{label}_cuda.txt").write_text(table)
+    (out / f"{label}_host.txt").write_text(s.getvalue())
+    print(table[:6000], flush=True)
+    print(s.getvalue()[:7000], flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--profile-chunks", type=int, default=2)
+    ap.add_argument("--decode-steps", type=int, default=6)
+    ap.add_argument("--out", default="profile")
+    ap.add_argument("--model", default="flash-shaped")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(run_meta(), flush=True)
+    model = preset(args.model)
+    weights = init_weights(
+        model, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
+    )
+    data = corpus(None, args.context + 64)
+    warm = make_runner(model, weights, 4096, 0, 8, args.chunk, CacheFormat.BF16)
+    warm.generate([[ByteTokenizer.bos] + list(data[:4095])], SamplingParams(max_new_tokens=8))
+    del warm
+    runner = make_runner(model, weights, args.context, 0, 64, args.chunk, CacheFormat.BF16)
+    prompt = [ByteTokenizer.bos] + list(data[: args.context - 1])
+    runner.submit(prompt, SamplingParams(max_new_tokens=64))
+    chunks = -(-args.context // args.chunk)
+    lead = _steps(runner, chunks - args.profile_chunks - 1)
+    print(f"prefill steps ms {[round(t * 1e3, 1) for t in lead]}", flush=True)
+    profiled(runner, args.profile_chunks, "prefill", out)
+    rest = _steps(runner, 1 + 12)  # last chunk, then decode (graph capture happens here)
+    print(f"last chunk + decode warm ms {[round(t * 1e3, 1) for t in rest]}", flush=True)
+    profiled(runner, args.decode_steps, "decode", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

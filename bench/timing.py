@@ -1,0 +1,45 @@
+"""GPU timing for the benches: eager calls back to back, and replays of a captured CUDA graph."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def eager_us(fn: Callable[[], object], calls: int = 50, rounds: int = 5) -> float:
+    """Median over ``rounds`` of the mean µs per call of ``calls`` back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    per = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        per.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(per)
+
+
+def graph_us(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float:
+    """Median µs per call over ``replays`` replays of ``calls`` calls captured in one graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    per = []
+    for _ in range(replays):
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        per.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(per)
