@@ -44,6 +44,14 @@ def merge_row(n: int, d: int = 4096, s: int = 4) -> dict:
     r = lambda: ops.hc_merge_reference(streams, y, post, res)  # noqa: E731
     row.update(kernel_eager_us=eager_us(k), reference_eager_us=eager_us(r),
                kernel_graph_us=graph_us(k), reference_graph_us=graph_us(r))  # fmt: skip
+    gb = (2 * streams.numel() + y.numel()) * 2 / 1e9
+    row["kernel_tb_s"] = gb / row["kernel_graph_us"] * 1e-3
+    if n >= 1024:  # the launch sweep: µs in a graph per (block_d, num_warps)
+        row["sweep_graph_us"] = {
+            f"{bd}x{w}": graph_us(lambda bd=bd, w=w: flash_hc_merge(streams, y, post, res,
+                                                                    block_d=bd, num_warps=w))
+            for bd, w in ((256, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8))
+        }  # fmt: skip
     return row
 
 

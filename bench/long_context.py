@@ -5,7 +5,8 @@ by default the Python standard library's own sources (this interpreter's, sorted
 concatenated; the prompt's sha256 is recorded), or ``--file``. For each context length:
 
 * one request of that many prompt tokens: prefill tokens/s, time to first token, then batch-1
-  decode tokens/s (CUDA graphs) and its ratio to the first (shortest) length;
+  decode tokens/s (CUDA graphs; the median step, so graph captures do not count; the wall rate
+  with them is ``decode_wall_tokens_per_s``) and its ratio to the first (shortest) length;
 * with ``--batch B``: B requests sharing that prompt as a prefix (it is cached by the first
   request, so the others reuse it) plus a distinct 64-byte tail each, then batch-B decode
   tokens/s and its ratio to the shortest length's;
@@ -24,6 +25,7 @@ import argparse
 import hashlib
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -88,20 +90,26 @@ def prefill_point(runner: Runner, prompt: list[int], new: int) -> dict[str, floa
     _sync()
     t0 = time.perf_counter()
     rid = runner.submit(prompt, SamplingParams(max_new_tokens=new))
-    steps, first, done = 0, None, None
+    steps, first, done, times = 0, None, None, []
     while done is None:
+        t1 = time.perf_counter()
         results = runner.step()
         steps += 1
         out = runner._running[0].result.output if runner._running else []
         if first is None and (out or results):
             _sync()
             first = time.perf_counter()
+        elif first is not None:
+            _sync()
+            times.append(time.perf_counter() - t1)  # one decode step: one token
         done = next((r for r in results if r.request_id == rid), None)
     _sync()
     end = time.perf_counter()
     assert first is not None and len(done.output) == new, done
+    # steady state: the median step (the first decode steps capture CUDA graphs)
     return dict(ttft_s=first - t0, prefill_tokens_per_s=len(prompt) / (first - t0),
-                decode_tokens_per_s=(new - 1) / (end - first), steps=steps)  # fmt: skip
+                decode_tokens_per_s=1 / statistics.median(times) if times else None,
+                decode_wall_tokens_per_s=(new - 1) / (end - first), steps=steps)  # fmt: skip
 
 
 def batch_point(runner: Runner, prompt: list[int], data: bytes, batch: int, new: int) -> dict:
@@ -124,7 +132,8 @@ def batch_point(runner: Runner, prompt: list[int], data: bytes, batch: int, new:
     if not times:
         raise RuntimeError(f"no step decoded all {batch} requests together: raise --new-tokens")
     steady = sorted(times)[: max(1, len(times) - 2)]  # drop the slowest (graph capture)
-    return dict(batch_decode_tokens_per_s=batch * len(steady) / sum(steady),
+    return dict(batch_decode_tokens_per_s=batch / statistics.median(times),
+                batch_decode_mean_tokens_per_s=batch * len(steady) / sum(steady),
                 batch_decode_steps=len(times))  # fmt: skip
 
 

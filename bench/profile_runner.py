@@ -70,6 +70,12 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--profile-chunks", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=6)
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        help="profile the decode of this many requests sharing the prompt instead",
+    )
     ap.add_argument("--out", default="profile")
     ap.add_argument("--model", default="flash-shaped")
     ap.add_argument("--device", default="cuda")
@@ -81,20 +87,25 @@ def main() -> int:
     weights = init_weights(
         model, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     )
-    data = corpus(None, args.context + 64)
+    data = corpus(None, args.context + 64 * (args.batch + 1))
     warm = make_runner(model, weights, 4096, 0, 8, args.chunk, CacheFormat.BF16)
     warm.generate([[ByteTokenizer.bos] + list(data[:4095])], SamplingParams(max_new_tokens=8))
     del warm
-    runner = make_runner(model, weights, args.context, 0, 64, args.chunk, CacheFormat.BF16)
+    runner = make_runner(model, weights, args.context, args.batch, 64, args.chunk, CacheFormat.BF16)
     prompt = [ByteTokenizer.bos] + list(data[: args.context - 1])
-    runner.submit(prompt, SamplingParams(max_new_tokens=64))
+    first = 2 if args.batch else 64  # with --batch the prompt is only the shared prefix
+    runner.submit(prompt, SamplingParams(max_new_tokens=first))
     chunks = -(-args.context // args.chunk)
     lead = _steps(runner, chunks - args.profile_chunks - 1)
     print(f"prefill steps ms {[round(t * 1e3, 1) for t in lead]}", flush=True)
-    profiled(runner, args.profile_chunks, "prefill", out)
-    rest = _steps(runner, 1 + 12)  # last chunk, then decode (graph capture happens here)
+    if args.profile_chunks:
+        profiled(runner, args.profile_chunks, "prefill", out)
+    for i in range(args.batch):
+        tail = list(data[args.context + 64 * i : args.context + 64 * (i + 1)])
+        runner.submit(prompt + tail, SamplingParams(max_new_tokens=64))
+    rest = _steps(runner, 1 + 12)  # last chunk(s), then decode (graph capture happens here)
     print(f"last chunk + decode warm ms {[round(t * 1e3, 1) for t in rest]}", flush=True)
-    profiled(runner, args.decode_steps, "decode", out)
+    profiled(runner, args.decode_steps, f"decode_b{max(args.batch, 1)}", out)
     return 0
 
 

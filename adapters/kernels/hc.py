@@ -25,18 +25,18 @@ def _merge_kernel(
     s_ptr, y_ptr, post_ptr, res_ptr, out_ptr, D, stride_sn, stride_ss, stride_yn, stride_on,
     stride_os, S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
+    # 1-D rows only: a (S, BLOCK_D) tile summed over S would reduce across warps. Each stream
+    # row is read S times, from L1 after the first.
     n = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    t = tl.arange(0, S)
     ok = d < D
-    tile_ok = (t[:, None] < S) & ok[None, :]
-    x = tl.load(s_ptr + n * stride_sn + t[:, None] * stride_ss + d[None, :], mask=tile_ok,
-                other=0.0).to(tl.float32)  # fmt: skip
     y = tl.load(y_ptr + n * stride_yn + d, mask=ok, other=0.0).to(tl.float32)
     for s in tl.static_range(S):
-        r = tl.load(res_ptr + (n * S + s) * S + t).to(tl.float32)
-        p = tl.load(post_ptr + n * S + s).to(tl.float32)
-        acc = tl.sum(r[:, None] * x, axis=0) + p * y
+        acc = tl.load(post_ptr + n * S + s).to(tl.float32) * y
+        for t in tl.static_range(S):
+            r = tl.load(res_ptr + (n * S + s) * S + t).to(tl.float32)
+            x = tl.load(s_ptr + n * stride_sn + t * stride_ss + d, mask=ok, other=0.0)
+            acc += r * x.to(tl.float32)
         tl.store(out_ptr + n * stride_on + s * stride_os + d,
                  acc.to(out_ptr.dtype.element_ty), mask=ok)  # fmt: skip
 
@@ -69,7 +69,7 @@ def _check(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, res: torc
 
 def flash_hc_merge(
     streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, res: torch.Tensor,
-    *, block_d: int = 512, num_warps: int = 4,
+    *, block_d: int = 1024, num_warps: int = 4,
 ) -> torch.Tensor:  # fmt: skip
     """New residual streams ``(N, S, D)`` (see the module doc); the streams' dtype."""
     _check(streams, y, post, res)
