@@ -98,10 +98,13 @@ class Fp8Mode(enum.IntEnum):
         return {Fp8Mode.STAGED_F16: 1, Fp8Mode.FP8_DOT: 2}.get(self, 0)
 
 
-# The FP8 paths in use: the switch once bench/indexer.py --fp8-candidates has measured them
-# (each mode's launch defaults are in `ONE_DOT_LAUNCH`).
-FP8_DECODE_MODE = Fp8Mode.DOT_A
-FP8_PREFILL_MODE = Fp8Mode.DOT_A
+# The FP8 paths in use: the fastest exact ones of bench/indexer.py --fp8-candidates on the H200
+# (bench/results/indexer_fp8_candidates_h200.json), µs in a graph: decode STAGED_F16 24.9 at
+# B 1 and 570 at B 32 x 262,144 entries (bf16 keys 22.5 / 572; DOT_A 28.2 / 727); prefill
+# STAGED 2,378 for 2,048 x 32,768 (bf16 2,061; DOT_A 4,788). FP8_DOT (approximate, 1.2e-4 rel
+# L2: 464 at B 32) is no default.
+FP8_DECODE_MODE = Fp8Mode.STAGED_F16
+FP8_PREFILL_MODE = Fp8Mode.STAGED
 
 
 class Launch(NamedTuple):
@@ -130,7 +133,7 @@ ONE_DOT_LAUNCH = {  # (shared, FP8 mode or None: 16-bit keys)
     (True, Fp8Mode.KEYS_B): Launch(4, 64, 8, 2, 3, 128),
     (False, Fp8Mode.STAGED): Launch(1, 128, 8, 2, 3),
     (True, Fp8Mode.STAGED): Launch(4, 64, 8, 2, 3, 128),
-    (False, Fp8Mode.STAGED_F16): Launch(1, 128, 8, 2, 3),
+    (False, Fp8Mode.STAGED_F16): Launch(1, 128, 8, 3, 3, 80),  # measured best
     (True, Fp8Mode.STAGED_F16): Launch(4, 64, 8, 2, 3, 128),
     (False, Fp8Mode.FP8_DOT): Launch(1, 128, 8, 2, 4),
     (True, Fp8Mode.FP8_DOT): Launch(2, 64, 8, 2, 3, 128),

@@ -590,7 +590,7 @@ def _select_kernel(
 # -- the bound algorithm: column maxima give a lower bound; one pass gathers what is above it ---
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # a loop bound: one compile for every row count
 def _colmax_kernel(
     x_ptr,
     len_ptr,
@@ -877,7 +877,7 @@ def _columns(n: int, k: int, b: int, tile: int, device, chunk, ctas) -> tuple[in
     want = ctas or triton.cdiv(4 * _sm_count(device), b)
     c = 1 << max(0, min(want, m // 32, _MAX_CTAS).bit_length() - 1)  # a power of two <= want
     s = m // c
-    rb = max(1, min(tile // s, triton.next_power_of_2(r)))
+    rb = max(1, tile // s)  # not from ``r``: a new RB is a new compile (short rows mask rows off)
     return m, r, c, s, rb
 
 
