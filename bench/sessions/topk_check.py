@@ -10,7 +10,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from adapters import kernels  # noqa: E402
 
 ok = True
-for b, n in ((4096, 1024), (8192, 2048), (8192, 4096), (8192, 16384), (4096, 34816), (1024, 262144)):
+for b, n in (
+    (4096, 1024),
+    (8192, 2048),
+    (8192, 4096),
+    (8192, 16384),
+    (4096, 34816),
+    (1024, 262144),
+):
     g = torch.Generator(device="cuda").manual_seed(n)
     x = torch.relu(torch.randn(b, n, device="cuda", generator=g))  # ties at 0, as the indexer's
     lens = torch.randint(0, n + 1, (b,), device="cuda", generator=g)
