@@ -100,6 +100,9 @@ def main() -> int:
     print(f"prefill steps ms {[round(t * 1e3, 1) for t in lead]}", flush=True)
     if args.profile_chunks:
         profiled(runner, args.profile_chunks, "prefill", out)
+    if args.batch:  # the batch reuses the whole prompt only once its first request finished
+        while runner._running or runner._waiting:
+            runner.step()
     for i in range(args.batch):
         tail = list(data[args.context + 64 * i : args.context + 64 * (i + 1)])
         runner.submit(prompt + tail, SamplingParams(max_new_tokens=64))
