@@ -6,11 +6,12 @@ allocation undone by `give_back` (rejected drafts) restores the exact prior stat
 
 from __future__ import annotations
 
+import operator
 from typing import NewType
 
 import numpy as np
 
-from .errors import CapacityError, ConfigError, require
+from .errors import CapacityError, ConfigError, InvalidRequestError, require
 
 #: A page of the virtual full-token slot space (compressed shadows derive from it).
 VirtualPage = NewType("VirtualPage", int)
@@ -44,7 +45,13 @@ class PageAllocator:
         return self.capacity - self.num_used
 
     def allocate(self, num_pages: int) -> list[int]:
-        """Pop ``num_pages`` ids (first popped first). Raises `CapacityError`, changing nothing."""
+        """Pop ``num_pages`` ids (first popped first). Raises `CapacityError`, or
+        `InvalidRequestError` for a count that is not a non-negative int, changing nothing."""
+        if isinstance(num_pages, (bool, np.bool_)) or not hasattr(num_pages, "__index__"):
+            raise InvalidRequestError(f"{self.name}: page count must be an int, got {num_pages!r}")
+        num_pages = operator.index(num_pages)
+        if num_pages < 0:
+            raise InvalidRequestError(f"{self.name}: page count must be >= 0, got {num_pages}")
         if num_pages > self.num_free:
             raise CapacityError(self.name, num_pages, max(self.num_free, 0))
         if num_pages == 0:

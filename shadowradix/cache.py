@@ -55,6 +55,8 @@ class ShadowRadixCache:
     """
 
     def __init__(self, config: CacheConfig) -> None:
+        if not isinstance(config, CacheConfig):
+            raise ConfigError(f"ShadowRadixCache needs a CacheConfig, got {type(config).__name__}")
         self.config = config
         p = config.page_size
         self._full = PageAllocator("full", config.num_full_pages, config.max_full_pages)
@@ -95,35 +97,43 @@ class ShadowRadixCache:
         prefix_len = (node.start_page + node_pages) * self.config.page_size
         replay_gain = cached_len - self.config.window
         if self.config.bounded_replay and replay_gain > prefix_len:
-            return MatchResult(
-                len(arr),
-                cached_len,
-                cached_len,
-                replay_gain,
-                WindowSource.REPLAY,
-                replay_gain,
-                walk.nodes[-1],
-                walk.last_pages,
-                self._tree.version,
-                arr,
-                True,
-                self,
+            return self._sealed(
+                MatchResult(
+                    len(arr),
+                    cached_len,
+                    cached_len,
+                    replay_gain,
+                    WindowSource.REPLAY,
+                    replay_gain,
+                    walk.nodes[-1],
+                    walk.last_pages,
+                    self._tree.version,
+                    arr,
+                    True,
+                    self,
+                )
             )
         source = WindowSource.LIVE if prefix_len else WindowSource.NONE
-        return MatchResult(
-            len(arr),
-            cached_len,
-            prefix_len,
-            prefix_len,
-            source,
-            None,
-            node,
-            node_pages,
-            self._tree.version,
-            arr,
-            self._any_approximate(walk, node),
-            self,
+        return self._sealed(
+            MatchResult(
+                len(arr),
+                cached_len,
+                prefix_len,
+                prefix_len,
+                source,
+                None,
+                node,
+                node_pages,
+                self._tree.version,
+                arr,
+                self._any_approximate(walk, node),
+                self,
+            )
         )
+
+    def _sealed(self, match: MatchResult) -> MatchResult:
+        object.__setattr__(match, "_seal", self)
+        return match
 
     @staticmethod
     def _any_approximate(walk: Walk, end: Node) -> bool:
@@ -223,6 +233,10 @@ class ShadowRadixCache:
             raise InvalidRequestError(f"expected a MatchResult, got {type(match).__name__}")
         if match.owner is not self:
             raise InvalidRequestError("this MatchResult was taken from another cache")
+        if match._seal is not self:
+            raise InvalidRequestError(
+                "this MatchResult was not made by this cache's match_prefix (an altered copy?)"
+            )
         if match.version != self._tree.version:
             raise StaleMatchError("the tree changed since this match was taken; match again")
         n = match.prefix_len
@@ -325,6 +339,9 @@ class ShadowRadixCache:
     def _check_batch(
         self, requests: Sequence[Request], tokens: Sequence[TokenInput] | np.ndarray
     ) -> None:
+        for name, value in (("requests", requests), ("tokens", tokens)):
+            if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+                raise InvalidRequestError(f"{name} must be a sequence, got {type(value).__name__}")
         if len(requests) != len(tokens) or not requests:
             raise InvalidRequestError("need one token list per request, and at least one request")
         if len({id(r) for r in requests}) != len(requests):
@@ -786,11 +803,16 @@ class ShadowRadixCache:
             return None
         out = []
         for t in tokens:
-            if type(t) is not list or len(t) != 1 or type(t[0]) is not int:
+            if type(t) not in (list, tuple) or len(t) != 1:
                 return None
-            if not 0 <= t[0] <= _MAX_TOKEN:
-                raise InvalidRequestError(f"token ids must be in [0, 2**63), got {t[0]}")
-            out.append(t[0])
+            x = t[0]
+            if type(x) is not int:  # NumPy ints too (sampled ids often are): same fast path
+                if not isinstance(x, np.integer):
+                    return None
+                x = int(x)
+            if not 0 <= x <= _MAX_TOKEN:
+                raise InvalidRequestError(f"token ids must be in [0, 2**63), got {x}")
+            out.append(x)
         return out
 
     @staticmethod

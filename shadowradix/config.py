@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 from functools import cached_property
+
+import numpy as np
 
 from .errors import ConfigError
 
@@ -15,6 +20,36 @@ SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
+
+
+def as_int(name: str, value: object) -> int:
+    """``value`` as a plain int: Python and NumPy integers pass, bools, floats and strings raise
+    `ConfigError` (sizes computed with NumPy are realistic; a float capacity is a bug)."""
+    if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    return operator.index(value)  # type: ignore[arg-type]
+
+
+def _as_bool(name: str, value: object) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def _as_ints(name: str, values: object) -> tuple[int, ...]:
+    try:
+        items = tuple(values)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"{name} must be a sequence of ints, got {values!r}") from None
+    return tuple(as_int(f"{name}[{i}]", v) for i, v in enumerate(items))
+
+
+def _finite(name: str, value: object) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be finite, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -81,8 +116,7 @@ class CacheConfig:
     _streams: tuple[StreamSpec, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "compress_ratios", tuple(self.compress_ratios))
-        object.__setattr__(self, "overlap_ratios", tuple(self.overlap_ratios))
+        self._coerce_types()
         self._validate_shapes()
         self._validate_capacities()
         if self.speculative and self.bounded_replay:
@@ -95,6 +129,19 @@ class CacheConfig:
             for r in self.ratios
         )
         object.__setattr__(self, "_streams", streams)
+
+    def _coerce_types(self) -> None:
+        """Plain ints and bools in every field, or `ConfigError` (before any arithmetic)."""
+        put = object.__setattr__
+        for name in ("page_size", "window", "full_capacity", "swa_capacity"):
+            put(self, name, as_int(name, getattr(self, name)))
+        for name in ("max_full_capacity", "max_swa_capacity"):
+            if getattr(self, name) is not None:
+                put(self, name, as_int(name, getattr(self, name)))
+        for name in ("compress_ratios", "overlap_ratios"):
+            put(self, name, _as_ints(name, getattr(self, name)))
+        for name in ("speculative", "bounded_replay", "debug"):
+            put(self, name, _as_bool(name, getattr(self, name)))
 
     def _validate_shapes(self) -> None:
         if self.page_size not in SUPPORTED_PAGE_SIZES:
@@ -249,6 +296,13 @@ def split_budget(
 ) -> tuple[int, int]:
     """``(full_capacity, swa_capacity)`` in tokens (whole pages) that fit ``total_bytes`` with
     ``swa_full_tokens_ratio`` SWA tokens per full token."""
+    page_size = as_int("page_size", page_size)
+    if page_size not in SUPPORTED_PAGE_SIZES:
+        raise ConfigError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
+    total_bytes = _finite("total_bytes", total_bytes)  # type: ignore[assignment]
+    swa_full_tokens_ratio = _finite("swa_full_tokens_ratio", swa_full_tokens_ratio)
+    full_bytes_per_token = _finite("full_bytes_per_token", full_bytes_per_token)
+    swa_bytes_per_token = _finite("swa_bytes_per_token", swa_bytes_per_token)
     if total_bytes <= 0 or swa_full_tokens_ratio <= 0:
         raise ConfigError("total_bytes and swa_full_tokens_ratio must be positive")
     if full_bytes_per_token <= 0 or swa_bytes_per_token <= 0:

@@ -47,6 +47,9 @@ class MatchResult:
     approximate: bool = False
     #: the cache that produced the match (`admit` refuses another cache's match)
     owner: object = field(repr=False, default=None)
+    #: set by `match_prefix` only, never by ``__init__``: a copy made with
+    #: ``dataclasses.replace`` (or built by hand) has none, and `admit` refuses it
+    _seal: object = field(init=False, repr=False, default=None)
 
     @property
     def replayed_len(self) -> int:

@@ -114,9 +114,10 @@ class Shadows:
         self.config = config
         self.page_size = config.page_size
         self._shift = _log2(config.page_size)
-        self._ring_len_col = np.array([[s.ring_len] for s in config.streams], dtype=I64)
+        # one row per stream, shape (streams, 1) even with none (an SWA-only model)
+        self._ring_len_col = np.array([s.ring_len for s in config.streams], dtype=I64)[:, None]
         self._ring_mask_col = self._ring_len_col - 1
-        self._ratio_mask_col = np.array([[s.ratio - 1] for s in config.streams], dtype=I64)
+        self._ratio_mask_col = np.array([s.ratio - 1 for s in config.streams], dtype=I64)[:, None]
         #: a decode token completes a group of some stream iff ``(pos + 1) & mask == 0``
         self.group_mask = min(config.ratios, default=1 << 62) - 1
 
