@@ -38,7 +38,7 @@ def _as_bool(name: str, value: object) -> bool:
 
 def _as_ints(name: str, values: object) -> tuple[int, ...]:
     try:
-        items = tuple(values)  # type: ignore[arg-type]
+        items: tuple[object, ...] = tuple(values)  # type: ignore[arg-type]
     except TypeError:
         raise ConfigError(f"{name} must be a sequence of ints, got {values!r}") from None
     return tuple(as_int(f"{name}[{i}]", v) for i, v in enumerate(items))
