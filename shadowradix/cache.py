@@ -24,6 +24,7 @@ from .results import (
     Allocation,
     CacheStats,
     EvictionReport,
+    ExtendCheck,
     MatchResult,
     PoolStats,
     ReadPlan,
@@ -413,6 +414,37 @@ class ShadowRadixCache:
         )
         self._debug_check()
         return allocation
+
+    def can_extend(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> ExtendCheck:
+        """Whether `extend_batch` giving ``num_tokens[i]`` committed tokens to ``requests[i]``
+        would find its pages now (evicting what it may), without changing anything: the typed,
+        non-raising form of its capacity check (a scheduler's admission test). Bad requests or
+        counts (not positive ints) raise `InvalidRequestError` as `extend_batch` would."""
+        given = [_as_count(n) for n in num_tokens] if isinstance(num_tokens, Sequence) else [None]
+        counts = [n for n in given if n]
+        if len(counts) != len(given):
+            raise InvalidRequestError(f"num_tokens must be positive ints, got {num_tokens!r}")
+        self._check_batch(requests, [[0]] * len(counts))  # the same checks as extend_batch
+        needs = [self._pages_needed(r, n) for r, n in zip(requests, counts)]
+        return ExtendCheck(
+            sum(n[0] for n in needs),
+            sum(n[1] for n in needs),
+            self._full.num_free + self._index.full_evictable,
+            self._swa.num_free + self._index.swa_evictable,
+        )
+
+    def reset(self) -> EvictionReport:
+        """Drop every cached prefix (SGLang's ``reset``, vLLM's ``reset_prefix_cache``): the
+        tree empties and every page returns to its free list. Refused with
+        `InvalidRequestError` while a request is active (its pages are in use), changing
+        nothing. Cumulative statistics are kept."""
+        if self._requests:
+            raise InvalidRequestError(
+                f"{len(self._requests)} request(s) still active: finish or abort them first"
+            )
+        report = self._evict_full(self._full.num_used)
+        self._debug_check()
+        return report
 
     def _reserve(self, full_pages: int, swa_pages: int) -> EvictionReport:
         """Make sure the pages can be had (else raise, changing nothing), evicting if needed."""

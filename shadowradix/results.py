@@ -228,6 +228,34 @@ class PoolStats:
 
 
 @dataclass(frozen=True)
+class ExtendCheck:
+    """`ShadowRadixCache.can_extend`'s answer: the pages a step would need per pool and what each
+    pool can give now (free plus evictable). ``ok`` (also the truth value) is exactly whether
+    `extend_batch` with those token counts would go through instead of raising `CapacityError`;
+    ``short_pool`` names the first pool that falls short (``"full"`` or ``"swa"``)."""
+
+    full_pages: int
+    swa_pages: int
+    full_available: int
+    swa_available: int
+
+    @property
+    def short_pool(self) -> str | None:
+        if self.full_pages > self.full_available:
+            return "full"
+        if self.swa_pages > self.swa_available:
+            return "swa"
+        return None
+
+    @property
+    def ok(self) -> bool:
+        return self.short_pool is None
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclass(frozen=True)
 class CacheStats:
     page_size: int
     full: PoolStats
