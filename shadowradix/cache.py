@@ -364,10 +364,11 @@ class ShadowRadixCache:
         p = self.config.page_size
         needs = [self._pages_needed(r, len(a)) for r, a in zip(requests, arrays)]
         evicted = self._reserve(sum(n[0] for n in needs), sum(n[1] for n in needs))
+        pages = self._take_pages(needs)  # before any request changes: all or nothing
         runs = []
-        for r, a, (nv, ns) in zip(requests, arrays, needs):
+        for r, a, (vp, sp) in zip(requests, arrays, pages):
             start = r.length
-            self._grow(r, nv, ns)
+            self._grow(r, vp, sp)
             first = max(r.swa_base, (start - self.config.window) // p)
             runs.append(
                 Run(
@@ -394,12 +395,13 @@ class ShadowRadixCache:
         starts = [r._len for r in requests]
         crossing = sum(1 for start in starts if start % p == 0)
         evicted = self._reserve(crossing, crossing) if crossing else _NO_EVICTION
+        fresh = iter(self._take_pages([(1, 1)] * crossing))
         vpages, spages = [], []
         carry_tables: dict[int, tuple[int, list[int]]] = {}
         for i, (r, t, start) in enumerate(zip(requests, tokens, starts)):
             page = start // p
             if start % p == 0:
-                self._grow(r, 1, 1)
+                self._grow(r, *next(fresh))
             vpages.append(r.vpages[page])
             spages.append(r.swa_pages[page - r.swa_base])
             if not (start + 1) & group_mask:
@@ -453,12 +455,30 @@ class ShadowRadixCache:
             return self._make_room(full_pages, swa_pages)
         return _NO_EVICTION
 
-    def _grow(self, request: Request, num_vpages: int, num_swa_pages: int) -> None:
-        if num_vpages:
-            request.vpages.extend(self._full.allocate(num_vpages))
-        if num_swa_pages:
-            request.swa_pages.extend(self._swa.allocate(num_swa_pages))
-            request.swa_owned.extend([True] * num_swa_pages)
+    def _take_pages(self, needs: list[tuple[int, int]]) -> list[tuple[list[int], list[int]]]:
+        """Allocate every request's (virtual, SWA) pages of a step before any request changes.
+        If an allocation fails anyway (the pre-check passed: a device allocator's refusal, an
+        injected fault), the pages already taken go back, the free stacks end exactly as
+        before, and the error propagates: no request was touched."""
+        taken: list[tuple[list[int], list[int]]] = []
+        try:
+            for nv, ns in needs:
+                vp = self._full.allocate(nv)
+                taken.append((vp, []))
+                taken[-1] = (vp, self._swa.allocate(ns))
+        except BaseException:
+            for vp, sp in reversed(taken):
+                self._swa.give_back(sp)
+                self._full.give_back(vp)
+            raise
+        return taken
+
+    @staticmethod
+    def _grow(request: Request, vpages: list[int], swa_pages: list[int]) -> None:
+        request.vpages.extend(vpages)
+        if swa_pages:
+            request.swa_pages.extend(swa_pages)
+            request.swa_owned.extend([True] * len(swa_pages))
 
     def _pages_needed(self, request: Request, num_tokens: int) -> tuple[int, int]:
         p = self.config.page_size
