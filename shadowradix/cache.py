@@ -176,14 +176,17 @@ class ShadowRadixCache:
         omitted). Locks the matched path; a replayed match also gets private SWA pages for its
         window, returned in ``request.replay_allocation`` for the adapter to recompute.
 
-        Raises `StaleMatchError` if the tree changed since ``match``, `InvalidRequestError` if
-        ``tokens`` do not start with the matched prefix, `CapacityError` if the replay window
-        cannot be allocated.
+        A match stays usable while the tree changes elsewhere (another admission's split, an
+        insert, an eviction off its path): if the tree moved on since ``match``, the prefix is
+        matched again, and the admission goes ahead when that gives the same resume point,
+        hits, window source and lineage. Raises `StaleMatchError` when it does not (match
+        again), `InvalidRequestError` if ``tokens`` do not start with the matched prefix,
+        `CapacityError` if the replay window cannot be allocated.
         """
         arr = self._as_tokens(tokens, "prompt")
         if match is None:
             match = self.match_prefix(arr)
-        self._check_match(arr, match)
+        match = self._current_match(arr, match)
         p, w = self.config.page_size, self.config.window
         prefix_pages = match.prefix_len // p
         window_first = max(0, match.prefix_len - w) // p
@@ -229,6 +232,23 @@ class ShadowRadixCache:
             (request.id,), [run], evicted, replay=True
         )
 
+    def _current_match(self, arr: np.ndarray, match: MatchResult) -> MatchResult:
+        """``match`` checked, and re-taken against the current tree if that changed."""
+        self._check_match(arr, match)
+        if match.version == self._tree.version:
+            return match
+        fresh = self.match_prefix(match.tokens)
+        same = (fresh.prefix_len, fresh.hit_len, fresh.window, fresh.replay_start,
+                fresh.approximate) == (match.prefix_len, match.hit_len, match.window,
+                                       match.replay_start, match.approximate)  # fmt: skip
+        if not same:
+            raise StaleMatchError(
+                "the tree changed since this match was taken and the prefix it found is no "
+                f"longer the same (resume at {fresh.prefix_len}, not {match.prefix_len}); "
+                "match again"
+            )
+        return fresh
+
     def _check_match(self, arr: np.ndarray, match: MatchResult) -> None:
         if not isinstance(match, MatchResult):
             raise InvalidRequestError(f"expected a MatchResult, got {type(match).__name__}")
@@ -238,8 +258,6 @@ class ShadowRadixCache:
             raise InvalidRequestError(
                 "this MatchResult was not made by this cache's match_prefix (an altered copy?)"
             )
-        if match.version != self._tree.version:
-            raise StaleMatchError("the tree changed since this match was taken; match again")
         n = match.prefix_len
         if len(arr) < n or not np.array_equal(arr[:n], match.tokens[:n]):
             raise InvalidRequestError("tokens do not start with the matched prefix")

@@ -20,22 +20,41 @@ def _cached(cache, prompt):
 
 
 def test_a_match_between_two_swa_evictions_is_stale():
-    """Tombstoning changes which windows are live: a match taken after one SWA eviction must
-    be refused after the next one (the tree's version moves on every tombstone), and the
-    refused admit changes nothing."""
+    """A match taken after one SWA eviction, whose window the next eviction tombstones, must be
+    refused as stale (the tree's version moves on every tombstone, so `admit` re-matches),
+    changing nothing; with a version that did not move, `admit` would lock dead pages."""
     cache = ShadowRadixCache(CacheConfig(**CFG))
-    for base in (0, 1000):
-        _cached(cache, list(range(base, base + 32)))
-    first = cache.evict(swa_tokens=4)
-    assert first.nodes_tombstoned == 1
-    m = cache.match_prefix(list(range(1000, 1032)) + [7])
-    assert m.prefix_len > 0
-    second = cache.evict(swa_tokens=4)
-    assert second.nodes_tombstoned == 1
+    a, b = list(range(32)), list(range(1000, 1032))
+    _cached(cache, a)
+    _cached(cache, b)
+    assert cache.evict(swa_tokens=4).nodes_tombstoned == 1
+    m = cache.match_prefix(b + [7])
+    assert m.prefix_len == 32
+    assert cache.evict(swa_tokens=128).swa_pages > 0  # down to b's window
+    assert cache.match_prefix(b + [7]).prefix_len < 32
     before = (cache.stats(), cache._tree.version)
-    with pytest.raises(StaleMatchError):
-        cache.admit(list(range(1000, 1032)) + [7], m)
+    with pytest.raises(StaleMatchError, match="match again"):
+        cache.admit(b + [7], m)
     assert (cache.stats(), cache._tree.version) == before
+    cache.check_invariants()
+
+
+def test_a_match_survives_changes_off_its_path():
+    """A longest-prefix-first scheduler matches its whole queue, then admits: another
+    admission's split, an insert and an eviction elsewhere leave the match usable, and the
+    admission equals one from a fresh match."""
+    cache = ShadowRadixCache(CacheConfig(**CFG))
+    a, b = list(range(32)), list(range(1000, 1032))
+    _cached(cache, a)
+    _cached(cache, b)
+    m_a = cache.match_prefix(a[:20] + [5])  # ends inside a's node: its admission splits it
+    m_b = cache.match_prefix(b + [7])
+    r_a = cache.admit(a[:20] + [5], m_a)
+    _cached(cache, list(range(3000, 3012)))  # an insert
+    cache.evict(swa_tokens=4)  # a's head pages: off b's window
+    r_b = cache.admit(b + [7], m_b)  # was StaleMatchError before matches were re-checked
+    assert r_b.length == m_b.prefix_len == 32 and r_a.length == 20
+    assert r_b.vpages[:8] == cache.match_prefix(b).node.vpages.tolist()
     cache.check_invariants()
 
 
