@@ -19,6 +19,7 @@ from .errors import (
     ShadowRadixError,
     StaleMatchError,
 )
+from .events import KvEvent, KvEventKind
 from .locks import LockReceipt, Pool
 from .request import Request, RequestState
 from .results import (
@@ -44,6 +45,8 @@ __all__ = [
     "ConfigError",
     "EvictionReport",
     "ExtendCheck",
+    "KvEvent",
+    "KvEventKind",
     "InvalidRequestError",
     "InvariantError",
     "LockError",

@@ -15,6 +15,7 @@ import numpy as np
 from .allocator import PageAllocator
 from .config import CacheConfig
 from .errors import CapacityError, ConfigError, InvalidRequestError, StaleMatchError
+from .events import EventLog, KvEvent
 from .locks import LockTable
 from .lru import LruIndex
 from .node import Node
@@ -55,7 +56,9 @@ class ShadowRadixCache:
     ``cache_unfinished`` (any time) → ``finish`` or ``abort``.
     """
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, *, kv_events: bool = False) -> None:
+        """``kv_events``: record what enters and leaves the tree for `take_events` (off by
+        default: the page hashes cost a blake2b per inserted page)."""
         if not isinstance(config, CacheConfig):
             raise ConfigError(f"ShadowRadixCache needs a CacheConfig, got {type(config).__name__}")
         self.config = config
@@ -64,6 +67,9 @@ class ShadowRadixCache:
         self._swa = PageAllocator("swa", config.num_swa_pages, config.max_swa_pages)
         self._index = LruIndex(p, config.window)
         self._tree = RadixTree(p, self._index)
+        if not isinstance(kv_events, bool):
+            raise ConfigError(f"kv_events must be a bool, got {kv_events!r}")
+        self._tree.events = EventLog(p) if kv_events else None
         self._locks = LockTable(self._index.update)
         self._shadows = Shadows(config)
         self._requests: dict[int, Request] = {}
@@ -452,6 +458,14 @@ class ShadowRadixCache:
             self._full.num_free + self._index.full_evictable,
             self._swa.num_free + self._index.swa_evictable,
         )
+
+    def take_events(self) -> list[KvEvent]:
+        """The `KvEvent`s since the last call, oldest first (pages inserted, evicted,
+        tombstoned, revived; `shadowradix.events`). Raises `ConfigError` unless the cache was
+        made with ``kv_events=True``."""
+        if self._tree.events is None:
+            raise ConfigError("KV events are off: make the cache with kv_events=True")
+        return self._tree.events.take()
 
     def reset(self) -> EvictionReport:
         """Drop every cached prefix (SGLang's ``reset``, vLLM's ``reset_prefix_cache``): the

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import require
+from .events import EventLog, KvEventKind
 from .lru import LruIndex
 from .node import EMPTY, Node
 
@@ -38,6 +39,8 @@ class RadixTree:
         #: Bumped by every change that can alter a match result.
         self.version = 0
         self.clock = 0
+        #: where page changes are reported (`events`), when the cache was asked to
+        self.events: EventLog | None = None
 
     def key_at(self, tokens: np.ndarray, page: int) -> tuple[int, ...]:
         p = self.page_size
@@ -120,6 +123,9 @@ class RadixTree:
         leaf = Node(parent, tokens, parent.end_page, vpages, swa_pages, key)
         leaf.last_access = self.clock
         leaf.approximate = approximate
+        if self.events is not None:
+            last = None if parent.is_root else int(parent.vpages[-1])
+            self.events.inserted(last, tokens, vpages, swa_pages, parent.end_page, approximate)
         parent.children[key] = leaf
         self.version += 1
         self.index.update(leaf)
@@ -137,6 +143,9 @@ class RadixTree:
         """
         assert not leaf.children and leaf.parent is not None
         assert len(leaf.swa_pages) == 0 or len(swa_pages) == len(vpages)
+        if self.events is not None:
+            self.events.inserted(int(leaf.vpages[-1]), tokens, vpages, swa_pages, leaf.end_page,
+                                 leaf.approximate)  # fmt: skip
         leaf.tokens = np.concatenate((leaf.tokens, tokens))
         leaf.vpages = np.concatenate((leaf.vpages, vpages))
         leaf.swa_pages = np.concatenate((leaf.swa_pages, swa_pages))
@@ -147,6 +156,8 @@ class RadixTree:
         """Detach an unlocked leaf; returns its (virtual pages, live SWA pages) to free."""
         assert not leaf.children and not leaf.full_lock_ref and leaf.parent is not None
         parent = leaf.parent
+        if self.events is not None:
+            self.events.evicted(leaf.vpages, leaf.swa_pages, leaf.start_page)
         del parent.children[leaf.key]
         self.index.remove(leaf)
         self.index.update(parent)
@@ -155,7 +166,11 @@ class RadixTree:
 
     def tombstone(self, node: Node, num_pages: int) -> np.ndarray:
         """Drop the SWA of the ``num_pages`` oldest live pages; the node stays matchable."""
+        lf = node.live_from
         freed, node.swa_pages = node.swa_pages[:num_pages], node.swa_pages[num_pages:]
+        if self.events is not None:
+            self.events.swa_changed(KvEventKind.TOMBSTONED, node.vpages[lf : lf + len(freed)],
+                                    freed, node.start_page + lf)  # fmt: skip
         self.version += 1
         self.index.update(node)
         return freed
@@ -164,6 +179,10 @@ class RadixTree:
         """Prepend live SWA pages just before the node's live suffix (exact recomputation)."""
         assert len(node.swa_pages) + len(swa_pages) <= node.num_pages
         node.swa_pages = np.concatenate((swa_pages, node.swa_pages))
+        if self.events is not None:
+            lf = node.live_from
+            self.events.swa_changed(KvEventKind.REVIVED, node.vpages[lf : lf + len(swa_pages)],
+                                    swa_pages, node.start_page + lf)  # fmt: skip
         self.version += 1
         self.index.update(node)
 
