@@ -8,6 +8,7 @@ O(pages) in Python; per-token work is vectorised in `shadows`.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,6 +19,7 @@ from .errors import CapacityError, ConfigError, InvalidRequestError, StaleMatchE
 from .events import EventLog, KvEvent
 from .locks import LockTable
 from .lru import LruIndex
+from .metrics import IntervalMetrics
 from .node import Node
 from .radix_tree import RadixTree, Walk
 from .request import Request, RequestState
@@ -75,8 +77,10 @@ class ShadowRadixCache:
         self._requests: dict[int, Request] = {}
         self._prompt_tokens = self._hit_tokens = self._replayed_tokens = 0
         self._replayed_hits = self._approximate_hits = 0
+        self._admissions = self._matched_tokens = 0
         self._watch = [0, 0]  # admissions and hit tokens in the current watchdog window
         self._evicted = EvictionReport()
+        self._metrics_mark = (self.stats(), time.monotonic())
 
     # -- matching and admission ------------------------------------------------------------------
 
@@ -286,6 +290,8 @@ class ShadowRadixCache:
     def _account_admission(self, arr: np.ndarray, match: MatchResult) -> None:
         self._prompt_tokens += len(arr)
         self._hit_tokens += match.hit_len
+        self._admissions += 1
+        self._matched_tokens += match.cached_len
         self._replayed_tokens += match.replayed_len
         self._replayed_hits += int(match.is_replay)
         self._approximate_hits += int(match.approximate and match.hit_len > 0)
@@ -862,7 +868,17 @@ class ShadowRadixCache:
             approximate_hits=self._approximate_hits,
             evicted=self._evicted,
             min_hit_granularity=self.config.min_hit_granularity,
+            admissions=self._admissions,
+            matched_tokens=self._matched_tokens,
         )
+
+    def take_metrics(self) -> IntervalMetrics:
+        """What happened since the last call (or since the cache was made): admissions, hits,
+        evictions, tombstones, and the pools at the end (`IntervalMetrics`)."""
+        now, at = self.stats(), time.monotonic()
+        before, since = self._metrics_mark
+        self._metrics_mark = (now, at)
+        return IntervalMetrics.between(before, now, at - since)
 
     @property
     def requests(self) -> tuple[Request, ...]:

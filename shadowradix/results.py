@@ -270,6 +270,9 @@ class CacheStats:
     approximate_hits: int
     evicted: EvictionReport
     min_hit_granularity: int
+    #: admissions so far, and the sum of their matches' ``cached_len`` (what the tree held)
+    admissions: int = 0
+    matched_tokens: int = 0
 
     @property
     def hit_ratio(self) -> float:
