@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -84,8 +84,12 @@ class ShadowRadixCache:
 
     # -- matching and admission ------------------------------------------------------------------
 
-    def match_prefix(self, tokens: TokenInput, max_len: int | None = None) -> MatchResult:
-        """Longest reusable prefix of ``tokens``. Pure: changes nothing (not even LRU order).
+    def match_prefix(
+        self, tokens: TokenInput, max_len: int | None = None, *, namespace: Hashable = None
+    ) -> MatchResult:
+        """Longest reusable prefix of ``tokens`` in ``namespace`` (a LoRA id, a cache salt, a
+        tenant: any hashable; ``None`` is the default one). Prefixes never match across
+        namespaces. Pure: changes nothing (not even LRU order).
 
         The match ends on a page boundary whose preceding ``window`` tokens are live SWA; with
         ``bounded_replay`` it may instead end at the deepest cached boundary and ask for the
@@ -102,9 +106,14 @@ class ShadowRadixCache:
             if max_len < 0:
                 raise InvalidRequestError(f"max_len must be >= 0, got {max_len}")
             arr = arr[:max_len]
-        walk = self._tree.walk(arr)
+        try:
+            hash(namespace)
+        except TypeError:
+            raise InvalidRequestError(f"namespace must be hashable, got {namespace!r}") from None
+        root = self._tree.root_of(namespace)
+        walk = self._tree.walk(arr, start=root)
         cached_len = walk.num_pages * self.config.page_size
-        node, node_pages = self._deepest_live(walk)
+        node, node_pages = self._deepest_live(walk, root)
         prefix_len = (node.start_page + node_pages) * self.config.page_size
         replay_gain = cached_len - self.config.window
         if self.config.bounded_replay and replay_gain > prefix_len:
@@ -122,6 +131,7 @@ class ShadowRadixCache:
                     arr,
                     True,
                     self,
+                    namespace,
                 )
             )
         source = WindowSource.LIVE if prefix_len else WindowSource.NONE
@@ -139,6 +149,7 @@ class ShadowRadixCache:
                 arr,
                 self._any_approximate(walk, node),
                 self,
+                namespace,
             )
         )
 
@@ -158,7 +169,7 @@ class ShadowRadixCache:
                 break
         return False
 
-    def _deepest_live(self, walk: Walk) -> tuple[Node, int]:
+    def _deepest_live(self, walk: Walk, root: Node) -> tuple[Node, int]:
         """Deepest boundary of ``walk`` whose window is live SWA, as (node, pages into it).
 
         ``run_start[i]``: first page of the live run that ends at node ``i``'s end (live SWA is
@@ -179,12 +190,16 @@ class ShadowRadixCache:
                 and max(0, end_page * p - w) >= run_start[i] * p
             ):
                 return n, used
-        return self._tree.root, 0
+        return root, 0
 
-    def admit(self, tokens: TokenInput, match: MatchResult | None = None) -> Request:
-        """Start a request whose prompt is ``tokens``, resuming after ``match`` (matched now if
-        omitted). Locks the matched path; a replayed match also gets private SWA pages for its
-        window, returned in ``request.replay_allocation`` for the adapter to recompute.
+    def admit(
+        self, tokens: TokenInput, match: MatchResult | None = None, *, namespace: Hashable = None
+    ) -> Request:
+        """Start a request whose prompt is ``tokens``, resuming after ``match`` (matched now in
+        ``namespace`` if omitted; a given match carries its own namespace, and a different
+        ``namespace`` beside it raises `InvalidRequestError`). Locks the matched path; a
+        replayed match also gets private SWA pages for its window, returned in
+        ``request.replay_allocation`` for the adapter to recompute.
 
         A match stays usable while the tree changes elsewhere (another admission's split, an
         insert, an eviction off its path): if the tree moved on since ``match``, the prefix is
@@ -195,7 +210,12 @@ class ShadowRadixCache:
         """
         arr = self._as_tokens(tokens, "prompt")
         if match is None:
-            match = self.match_prefix(arr)
+            match = self.match_prefix(arr, namespace=namespace)
+        elif namespace is not None and isinstance(match, MatchResult):
+            if namespace != match.namespace:
+                raise InvalidRequestError(
+                    f"namespace {namespace!r} differs from the match's ({match.namespace!r})"
+                )
         match = self._current_match(arr, match)
         p, w = self.config.page_size, self.config.window
         prefix_pages = match.prefix_len // p
@@ -247,7 +267,7 @@ class ShadowRadixCache:
         self._check_match(arr, match)
         if match.version == self._tree.version:
             return match
-        fresh = self.match_prefix(match.tokens)
+        fresh = self.match_prefix(match.tokens, namespace=match.namespace)
         same = (fresh.prefix_len, fresh.hit_len, fresh.window, fresh.replay_start,
                 fresh.approximate) == (match.prefix_len, match.hit_len, match.window,
                                        match.replay_start, match.approximate)  # fmt: skip

@@ -5,8 +5,9 @@ Four kinds, each naming virtual page ids (and, where SWA moves, SWA page ids):
 
 * ``INSERTED``: pages joined the tree (a finished or unfinished request's prefix). Each page
   carries a chained hash of its tokens, ``blake2b(parent_hash || tokens as int64)`` with 8-byte
-  digests and the root's hash 0: equal prefixes hash equally in any process, so a router can
-  compare them across instances. ``swa_pages`` is the live SWA of the inserted pages' suffix.
+  digests, chained from the namespace's seed (0 for the default namespace): equal prefixes of
+  one namespace hash equally in any process, so a router can compare them across instances.
+  ``swa_pages`` is the live SWA of the inserted pages' suffix.
 * ``EVICTED``: pages left the tree (full eviction or `reset`); their live SWA went with them.
 * ``TOMBSTONED``: pages kept their compressed KV but lost their SWA (``swa_pages`` freed).
 * ``REVIVED``: tombstoned pages got live SWA again (``swa_pages``), recomputed exactly.
@@ -24,6 +25,15 @@ from dataclasses import dataclass
 import numpy as np
 
 ROOT_HASH = 0
+
+
+def namespace_seed(namespace: object) -> int:
+    """The hash a namespace's prefixes chain from: `ROOT_HASH` for the default one (``None``),
+    else 8 bytes of ``blake2b(repr(namespace))``, so equal tokens in two namespaces hash apart."""
+    if namespace is None:
+        return ROOT_HASH
+    digest = hashlib.blake2b(repr(namespace).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 class KvEventKind(enum.Enum):
@@ -72,9 +82,11 @@ class EventLog:
         self._events: list[KvEvent] = []
         self._hash: dict[int, int] = {}  # virtual page -> its chained hash
 
-    def inserted(self, parent_last_vpage: int | None, tokens: np.ndarray, vpages: np.ndarray,
+    def inserted(self, after: int, at_root: bool, tokens: np.ndarray, vpages: np.ndarray,
                  swa_pages: np.ndarray, first_page: int, approximate: bool) -> None:  # fmt: skip
-        parent = ROOT_HASH if parent_last_vpage is None else self._hash[parent_last_vpage]
+        """``after``: the virtual page before the new ones, or (``at_root``) the namespace's
+        seed (`namespace_seed`)."""
+        parent = after if at_root else self._hash[after]
         hashes = page_hashes(parent, tokens, self.page_size)
         ids = vpages.tolist()
         self._hash.update(zip(ids, hashes))

@@ -62,7 +62,7 @@ def _check_request(cache: ShadowRadixCache, r: Request) -> None:
     while n is not None and n.parent is not None:
         require(n.parent.children.get(n.key) is n, f"{r}: terminal detached from the tree")
         n = n.parent
-    require(n is cache._tree.root, f"{r}: terminal not under this tree's root")
+    require(n is not None and cache._tree.is_a_root(n), f"{r}: terminal not under a root here")
     require(r.terminal.end_page == r.tree_pages, f"{r}: terminal does not end its tree prefix")
     require((r.full_receipt is not None) == (not r.terminal.is_root), f"{r}: full lock missing")
     path = r.terminal.path_from_root()

@@ -6,12 +6,13 @@ knows page ids; the pools' allocators own them, and the cache moves ids between 
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import require
-from .events import EventLog, KvEventKind
+from .events import EventLog, KvEventKind, namespace_seed
 from .lru import LruIndex
 from .node import EMPTY, Node
 
@@ -35,12 +36,28 @@ class RadixTree:
     def __init__(self, page_size: int, index: LruIndex) -> None:
         self.page_size = page_size
         self.index = index
+        #: the default namespace's root; every namespace has its own (`root_of`)
         self.root = Node(None, EMPTY, 0, EMPTY, EMPTY, ())
+        self._roots: dict[Hashable, Node] = {None: self.root}
+        self._seeds: dict[int, int] = {self.root.id: namespace_seed(None)}
         #: Bumped by every change that can alter a match result.
         self.version = 0
         self.clock = 0
         #: where page changes are reported (`events`), when the cache was asked to
         self.events: EventLog | None = None
+
+    def root_of(self, namespace: Hashable) -> Node:
+        """The root of ``namespace``'s subtree (made on first use: it holds no page, and no
+        match or insert ever crosses from one namespace's subtree to another's)."""
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = Node(None, EMPTY, 0, EMPTY, EMPTY, ())
+            self._seeds[root.id] = namespace_seed(namespace)
+        return root
+
+    def is_a_root(self, node: Node) -> bool:
+        """Whether ``node`` is one of this tree's namespace roots."""
+        return node.id in self._seeds
 
     def key_at(self, tokens: np.ndarray, page: int) -> tuple[int, ...]:
         p = self.page_size
@@ -124,8 +141,9 @@ class RadixTree:
         leaf.last_access = self.clock
         leaf.approximate = approximate
         if self.events is not None:
-            last = None if parent.is_root else int(parent.vpages[-1])
-            self.events.inserted(last, tokens, vpages, swa_pages, parent.end_page, approximate)
+            after = self._seeds[parent.id] if parent.is_root else int(parent.vpages[-1])
+            self.events.inserted(after, parent.is_root, tokens, vpages, swa_pages,
+                                 parent.end_page, approximate)  # fmt: skip
         parent.children[key] = leaf
         self.version += 1
         self.index.update(leaf)
@@ -144,8 +162,8 @@ class RadixTree:
         assert not leaf.children and leaf.parent is not None
         assert len(leaf.swa_pages) == 0 or len(swa_pages) == len(vpages)
         if self.events is not None:
-            self.events.inserted(int(leaf.vpages[-1]), tokens, vpages, swa_pages, leaf.end_page,
-                                 leaf.approximate)  # fmt: skip
+            self.events.inserted(int(leaf.vpages[-1]), False, tokens, vpages, swa_pages,
+                                 leaf.end_page, leaf.approximate)  # fmt: skip
         leaf.tokens = np.concatenate((leaf.tokens, tokens))
         leaf.vpages = np.concatenate((leaf.vpages, vpages))
         leaf.swa_pages = np.concatenate((leaf.swa_pages, swa_pages))
@@ -187,7 +205,7 @@ class RadixTree:
         self.index.update(node)
 
     def nodes(self) -> list[Node]:
-        out, stack = [], list(self.root.children.values())
+        out, stack = [], [c for r in self._roots.values() for c in r.children.values()]
         while stack:
             n = stack.pop()
             out.append(n)

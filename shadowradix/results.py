@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +47,8 @@ class MatchResult:
     approximate: bool = False
     #: the cache that produced the match (`admit` refuses another cache's match)
     owner: object = field(repr=False, default=None)
+    #: the namespace it was matched in (`match_prefix`'s ``namespace``)
+    namespace: Hashable = None
     #: set by `match_prefix` only, never by ``__init__``: a copy made with
     #: ``dataclasses.replace`` (or built by hand) has none, and `admit` refuses it
     _seal: object = field(init=False, repr=False, default=None)
