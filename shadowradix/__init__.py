@@ -20,7 +20,7 @@ from .errors import (
     StaleMatchError,
 )
 from .events import KvEvent, KvEventKind
-from .locks import LockReceipt, Pool
+from .locks import LockReceipt, PinReceipt, Pool
 from .request import Request, RequestState
 from .results import (
     Allocation,
@@ -51,6 +51,7 @@ __all__ = [
     "InvariantError",
     "LockError",
     "LockReceipt",
+    "PinReceipt",
     "MatchResult",
     "PageAllocator",
     "Pool",

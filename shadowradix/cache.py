@@ -7,6 +7,7 @@ O(pages) in Python; per-token work is vectorised in `shadows`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Hashable, Sequence
@@ -15,9 +16,15 @@ import numpy as np
 
 from .allocator import PageAllocator
 from .config import CacheConfig
-from .errors import CapacityError, ConfigError, InvalidRequestError, StaleMatchError
+from .errors import (
+    CapacityError,
+    ConfigError,
+    InvalidRequestError,
+    LockError,
+    StaleMatchError,
+)
 from .events import EventLog, KvEvent
-from .locks import LockTable
+from .locks import LockTable, PinReceipt
 from .lru import LruIndex
 from .metrics import IntervalMetrics
 from .node import Node
@@ -75,6 +82,8 @@ class ShadowRadixCache:
         self._locks = LockTable(self._index.update)
         self._shadows = Shadows(config)
         self._requests: dict[int, Request] = {}
+        self._pins: dict[int, PinReceipt] = {}
+        self._pin_ids = itertools.count()
         self._prompt_tokens = self._hit_tokens = self._replayed_tokens = 0
         self._replayed_hits = self._approximate_hits = 0
         self._admissions = self._matched_tokens = 0
@@ -485,6 +494,38 @@ class ShadowRadixCache:
             self._swa.num_free + self._index.swa_evictable,
         )
 
+    def pin(self, tokens: TokenInput, *, namespace: Hashable = None) -> PinReceipt:
+        """Keep the reusable prefix of ``tokens`` (what `match_prefix` finds: its compressed KV,
+        and its window's SWA when live) from eviction until `unpin`: for a prefill-decode
+        sender while it transfers, or an offload write-through. Splits a node if the prefix
+        ends inside one. A prefix with nothing to reuse gives a receipt of 0 tokens."""
+        match = self.match_prefix(tokens, namespace=namespace)
+        p, node = self.config.page_size, match.node
+        if 0 < match.node_pages < node.num_pages:
+            node = self._tree.split(node, match.node_pages)
+        full = None if node.is_root else self._locks.lock_full(node)
+        swa = None
+        if match.window is WindowSource.LIVE:
+            first = max(0, match.prefix_len - self.config.window) // p
+            if first < match.prefix_len // p:
+                swa = self._locks.lock_swa(node, first)
+        tokens_pinned = (node.end_page * p) if full is not None else 0
+        receipt = PinReceipt(next(self._pin_ids), tokens_pinned, full, swa)
+        self._pins[receipt.id] = receipt
+        self._debug_check()
+        return receipt
+
+    def unpin(self, receipt: PinReceipt) -> None:
+        """Release a `pin`. Raises `LockError` for a receipt that is not live here (unpinned
+        already, or another cache's), changing nothing."""
+        if not isinstance(receipt, PinReceipt) or self._pins.get(receipt.id) is not receipt:
+            raise LockError(f"{receipt!r} is not a live pin of this cache: double unpin?")
+        del self._pins[receipt.id]
+        for lock in (receipt.swa, receipt.full):
+            if lock is not None:
+                self._locks.unlock(lock)
+        self._debug_check()
+
     def take_events(self) -> list[KvEvent]:
         """The `KvEvent`s since the last call, oldest first (pages inserted, evicted,
         tombstoned, revived; `shadowradix.events`). Raises `ConfigError` unless the cache was
@@ -498,9 +539,10 @@ class ShadowRadixCache:
         tree empties and every page returns to its free list. Refused with
         `InvalidRequestError` while a request is active (its pages are in use), changing
         nothing. Cumulative statistics are kept."""
-        if self._requests:
+        if self._requests or self._pins:
             raise InvalidRequestError(
-                f"{len(self._requests)} request(s) still active: finish or abort them first"
+                f"{len(self._requests)} request(s) still active and {len(self._pins)} pin(s) "
+                "held: finish, abort or unpin them first"
             )
         report = self._evict_full(self._full.num_used)
         self._debug_check()

@@ -26,7 +26,8 @@ def check_cache(cache: ShadowRadixCache) -> None:
     index.check_invariants(nodes)
     requests = list(cache._requests.values())
     receipts = sum((r.full_receipt is not None) + (r.swa_receipt is not None) for r in requests)
-    require(receipts == len(locks), "live receipts not held by any request")
+    receipts += sum((q.full is not None) + (q.swa is not None) for q in cache._pins.values())
+    require(receipts == len(locks), "live receipts not held by any request or pin")
     owned_v = [n.vpages for n in nodes] + [np.asarray(r.vpages[r.tree_pages :]) for r in requests]
     cache._full.check_invariants(_concat(owned_v))
     owned_s = [n.swa_pages for n in nodes]

@@ -34,6 +34,18 @@ class LockReceipt:
     window_page: int = 0
 
 
+@dataclass(frozen=True, eq=False)
+class PinReceipt:
+    """Proof of one `ShadowRadixCache.pin`; `unpin` consumes it (a second one raises
+    `LockError`). ``tokens``: the pinned prefix, which neither pool evicts while pinned; its
+    locks are ``full`` (the path) and ``swa`` (the window before its end, when live)."""
+
+    id: int
+    tokens: int
+    full: LockReceipt | None
+    swa: LockReceipt | None
+
+
 class LockTable:
     """Owns every live receipt; ``on_change`` is told of each node whose counters moved."""
 
