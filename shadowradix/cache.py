@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -58,6 +59,10 @@ def _as_count(value: object) -> int | None:
     return int(value)
 
 
+#: page lists of recently admitted paths kept by `_path_vpages`
+_PATH_MEMO = 4
+
+
 class ShadowRadixCache:
     """Prefix cache for DeepSeek-V4-style hybrid attention. See docs/design.md and docs/api.md.
 
@@ -83,6 +88,7 @@ class ShadowRadixCache:
         self._shadows = Shadows(config)
         self._requests: dict[int, Request] = {}
         self._pins: dict[int, PinReceipt] = {}
+        self._paths: OrderedDict[tuple[int, int], list[int]] = OrderedDict()  # `_path_vpages`
         self._pin_ids = itertools.count()
         self._prompt_tokens = self._hit_tokens = self._replayed_tokens = 0
         self._replayed_hits = self._approximate_hits = 0
@@ -302,8 +308,22 @@ class ShadowRadixCache:
             raise InvalidRequestError("tokens do not start with the matched prefix")
 
     def _path_vpages(self, node: Node) -> list[int]:
-        path = node.path_from_root()
-        return np.concatenate([n.vpages for n in path]).tolist() if path else []
+        """The virtual pages of the path ending at ``node``, as a new list. The lists of the
+        last few paths are kept (a shared system prompt is admitted over and over): copying
+        one is several times cheaper than building it from the nodes' arrays. A path's pages
+        are fixed by (its end node, the node's end): splits keep them, and only a leaf's end
+        moves (`RadixTree.extend_leaf`)."""
+        key = (node.id, node.end_page)
+        pages = self._paths.get(key)
+        if pages is None:
+            path = node.path_from_root()
+            pages = np.concatenate([n.vpages for n in path]).tolist() if path else []
+            self._paths[key] = pages
+            if len(self._paths) > _PATH_MEMO:
+                self._paths.popitem(last=False)
+        else:
+            self._paths.move_to_end(key)
+        return list(pages)
 
     def _tree_swa_pages(self, node: Node, first_page: int, end_page: int) -> list[int]:
         """Live tree SWA pages for ``[first_page, end_page)`` along the path ending at ``node``."""
@@ -776,11 +796,8 @@ class ShadowRadixCache:
         request.swa_receipt = request.full_receipt = None
         self._full.free(request.vpages[request.tree_pages :])
         self._swa.free([pg for pg, own in zip(request.swa_pages, request.swa_owned) if own])
-        request.swa_pages, request.swa_owned, request.vpages = (
-            [],
-            [],
-            request.vpages[: request.tree_pages],
-        )
+        request.swa_pages, request.swa_owned = [], []
+        del request.vpages[request.tree_pages :]  # in place: O(private pages), not O(prefix)
         request.state = state
         del self._requests[request.id]
         self._tree.touch(request.terminal.path_from_root())
