@@ -17,17 +17,16 @@ import numpy as np
 
 from .allocator import PageAllocator
 from .config import CacheConfig
+from .embedding import EmbedderVerbs
 from .errors import (
     CapacityError,
     ConfigError,
     InvalidRequestError,
-    LockError,
     StaleMatchError,
 )
-from .events import EventLog, KvEvent
+from .events import EventLog
 from .locks import LockTable, PinReceipt
 from .lru import LruIndex
-from .metrics import IntervalMetrics
 from .node import Node
 from .radix_tree import RadixTree, Walk
 from .request import Request, RequestState
@@ -35,7 +34,6 @@ from .results import (
     Allocation,
     CacheStats,
     EvictionReport,
-    ExtendCheck,
     MatchResult,
     PoolStats,
     ReadPlan,
@@ -63,7 +61,7 @@ def _as_count(value: object) -> int | None:
 _PATH_MEMO = 4
 
 
-class ShadowRadixCache:
+class ShadowRadixCache(EmbedderVerbs):
     """Prefix cache for DeepSeek-V4-style hybrid attention. See docs/design.md and docs/api.md.
 
     Lifecycle: ``match_prefix`` → ``admit`` → ``extend`` / ``extend_draft`` + ``rollback`` →
@@ -496,78 +494,6 @@ class ShadowRadixCache:
         self._debug_check()
         return allocation
 
-    def can_extend(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> ExtendCheck:
-        """Whether `extend_batch` giving ``num_tokens[i]`` committed tokens to ``requests[i]``
-        would find its pages now (evicting what it may), without changing anything: the typed,
-        non-raising form of its capacity check (a scheduler's admission test). Bad requests or
-        counts (not positive ints) raise `InvalidRequestError` as `extend_batch` would."""
-        given = [_as_count(n) for n in num_tokens] if isinstance(num_tokens, Sequence) else [None]
-        counts = [n for n in given if n]
-        if len(counts) != len(given):
-            raise InvalidRequestError(f"num_tokens must be positive ints, got {num_tokens!r}")
-        self._check_batch(requests, [[0]] * len(counts))  # the same checks as extend_batch
-        needs = [self._pages_needed(r, n) for r, n in zip(requests, counts)]
-        return ExtendCheck(
-            sum(n[0] for n in needs),
-            sum(n[1] for n in needs),
-            self._full.num_free + self._index.full_evictable,
-            self._swa.num_free + self._index.swa_evictable,
-        )
-
-    def pin(self, tokens: TokenInput, *, namespace: Hashable = None) -> PinReceipt:
-        """Keep the reusable prefix of ``tokens`` (what `match_prefix` finds: its compressed KV,
-        and its window's SWA when live) from eviction until `unpin`: for a prefill-decode
-        sender while it transfers, or an offload write-through. Splits a node if the prefix
-        ends inside one. A prefix with nothing to reuse gives a receipt of 0 tokens."""
-        match = self.match_prefix(tokens, namespace=namespace)
-        p, node = self.config.page_size, match.node
-        if 0 < match.node_pages < node.num_pages:
-            node = self._tree.split(node, match.node_pages)
-        full = None if node.is_root else self._locks.lock_full(node)
-        swa = None
-        if match.window is WindowSource.LIVE:
-            first = max(0, match.prefix_len - self.config.window) // p
-            if first < match.prefix_len // p:
-                swa = self._locks.lock_swa(node, first)
-        tokens_pinned = (node.end_page * p) if full is not None else 0
-        receipt = PinReceipt(next(self._pin_ids), tokens_pinned, full, swa)
-        self._pins[receipt.id] = receipt
-        self._debug_check()
-        return receipt
-
-    def unpin(self, receipt: PinReceipt) -> None:
-        """Release a `pin`. Raises `LockError` for a receipt that is not live here (unpinned
-        already, or another cache's), changing nothing."""
-        if not isinstance(receipt, PinReceipt) or self._pins.get(receipt.id) is not receipt:
-            raise LockError(f"{receipt!r} is not a live pin of this cache: double unpin?")
-        del self._pins[receipt.id]
-        for lock in (receipt.swa, receipt.full):
-            if lock is not None:
-                self._locks.unlock(lock)
-        self._debug_check()
-
-    def take_events(self) -> list[KvEvent]:
-        """The `KvEvent`s since the last call, oldest first (pages inserted, evicted,
-        tombstoned, revived; `shadowradix.events`). Raises `ConfigError` unless the cache was
-        made with ``kv_events=True``."""
-        if self._tree.events is None:
-            raise ConfigError("KV events are off: make the cache with kv_events=True")
-        return self._tree.events.take()
-
-    def reset(self) -> EvictionReport:
-        """Drop every cached prefix (SGLang's ``reset``, vLLM's ``reset_prefix_cache``): the
-        tree empties and every page returns to its free list. Refused with
-        `InvalidRequestError` while a request is active (its pages are in use), changing
-        nothing. Cumulative statistics are kept."""
-        if self._requests or self._pins:
-            raise InvalidRequestError(
-                f"{len(self._requests)} request(s) still active and {len(self._pins)} pin(s) "
-                "held: finish, abort or unpin them first"
-            )
-        report = self._evict_full(self._full.num_used)
-        self._debug_check()
-        return report
-
     def _reserve(self, full_pages: int, swa_pages: int) -> EvictionReport:
         """Make sure the pages can be had (else raise, changing nothing), evicting if needed."""
         if full_pages > self._full.num_free or swa_pages > self._swa.num_free:
@@ -950,14 +876,6 @@ class ShadowRadixCache:
             admissions=self._admissions,
             matched_tokens=self._matched_tokens,
         )
-
-    def take_metrics(self) -> IntervalMetrics:
-        """What happened since the last call (or since the cache was made): admissions, hits,
-        evictions, tombstones, and the pools at the end (`IntervalMetrics`)."""
-        now, at = self.stats(), time.monotonic()
-        before, since = self._metrics_mark
-        self._metrics_mark = (now, at)
-        return IntervalMetrics.between(before, now, at - since)
 
     @property
     def requests(self) -> tuple[Request, ...]:
