@@ -45,6 +45,8 @@ if "--smoke" in sys.argv:  # before Triton is imported and the kernels are decor
 
 import torch  # noqa: E402
 
+from bench.timing import graph_us  # noqa: E402
+
 SEED = 1234
 
 
@@ -100,28 +102,7 @@ class Timer:
     @staticmethod
     def _graph(fn, once_ms: float) -> float:
         calls = int(min(100, max(5, 1.0 / max(once_ms, 1e-3))))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(20):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            graph.replay()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e) * 1e3 / calls)
-        del graph
-        return statistics.median(times)
+        return graph_us(fn, calls=calls, replays=20, warm=3)
 
 
 def _ops():

@@ -23,12 +23,14 @@ def eager_us(fn: Callable[[], object], calls: int = 50, rounds: int = 5) -> floa
     return statistics.median(per)
 
 
-def graph_us(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float:
-    """Median µs per call over ``replays`` replays of ``calls`` calls captured in one graph."""
+def graph_us(fn: Callable[[], object], calls: int = 20, replays: int = 10, warm: int = 1) -> float:
+    """Median µs per call over ``replays`` replays (CUDA events) of ``calls`` calls captured in
+    one graph, after ``warm`` eager calls on a side stream."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()
+        for _ in range(warm):
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -38,8 +40,11 @@ def graph_us(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> fl
     torch.cuda.synchronize()
     per = []
     for _ in range(replays):
-        t0 = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         graph.replay()
+        end.record()
         torch.cuda.synchronize()
-        per.append((time.perf_counter() - t0) / calls * 1e6)
+        per.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
     return statistics.median(per)
