@@ -45,7 +45,7 @@ def merge_row(n: int, d: int = 4096, s: int = 4) -> dict:
     row.update(kernel_eager_us=eager_us(k), reference_eager_us=eager_us(r),
                kernel_graph_us=graph_us(k), reference_graph_us=graph_us(r))  # fmt: skip
     gb = (2 * streams.numel() + y.numel()) * 2 / 1e9
-    row["kernel_tb_s"] = gb / row["kernel_graph_us"] * 1e-3
+    row["kernel_tb_s"] = gb / row["kernel_graph_us"] * 1e3  # GB per µs = 1e3 TB/s
     if n >= 1024:  # the launch sweep: µs in a graph per (block_d, num_warps)
         row["sweep_graph_us"] = {
             f"{bd}x{w}": graph_us(lambda bd=bd, w=w: flash_hc_merge(streams, y, post, res,
