@@ -2,23 +2,42 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
+from .allocator import PageAllocator
+from .config import CacheConfig
 from .errors import require
+from .locks import LockTable, PinReceipt
+from .lru import LruIndex
 from .node import Node
+from .radix_tree import RadixTree
 from .request import Request
+from .results import CacheStats
 
-if TYPE_CHECKING:
-    from .cache import ShadowRadixCache
+
+class CacheState(Protocol):
+    """What the checks read of a `ShadowRadixCache` (named here, so this module does not
+    import the cache that calls it)."""
+
+    config: CacheConfig
+    _tree: RadixTree
+    _index: LruIndex
+    _locks: LockTable
+    _full: PageAllocator
+    _swa: PageAllocator
+    _requests: dict[int, Request]
+    _pins: dict[int, PinReceipt]
+
+    def stats(self) -> CacheStats: ...
 
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
-def check_cache(cache: ShadowRadixCache) -> None:
+def check_cache(cache: CacheState) -> None:
     tree, index, locks = cache._tree, cache._index, cache._locks
     tree.check_invariants()
     nodes = tree.nodes()
@@ -56,7 +75,7 @@ def _node_at(terminal: Node, page: int) -> Node:
     return n
 
 
-def _check_request(cache: ShadowRadixCache, r: Request) -> None:
+def _check_request(cache: CacheState, r: Request) -> None:
     p, w = cache.config.page_size, cache.config.window
     require(r.is_active and r.owner is cache, f"{r}: registered but not active here")
     n: Node | None = r.terminal

@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from core_helpers import cached
 
 from shadowradix import CacheConfig, ShadowRadixCache, StaleMatchError
 
 CFG = dict(page_size=4, window=8, compress_ratios=(4, 0), overlap_ratios=(4,),
            full_capacity=256, swa_capacity=128)  # fmt: skip
-
-
-def _cached(cache, prompt):
-    r = cache.admit(prompt)
-    cache.extend(r, r.prompt_remaining)
-    cache.finish(r)
 
 
 def test_a_match_between_two_swa_evictions_is_stale():
@@ -25,8 +20,8 @@ def test_a_match_between_two_swa_evictions_is_stale():
     changing nothing; with a version that did not move, `admit` would lock dead pages."""
     cache = ShadowRadixCache(CacheConfig(**CFG))
     a, b = list(range(32)), list(range(1000, 1032))
-    _cached(cache, a)
-    _cached(cache, b)
+    cached(cache, a)
+    cached(cache, b)
     assert cache.evict(swa_tokens=4).nodes_tombstoned == 1
     m = cache.match_prefix(b + [7])
     assert m.prefix_len == 32
@@ -45,12 +40,12 @@ def test_a_match_survives_changes_off_its_path():
     admission equals one from a fresh match."""
     cache = ShadowRadixCache(CacheConfig(**CFG))
     a, b = list(range(32)), list(range(1000, 1032))
-    _cached(cache, a)
-    _cached(cache, b)
+    cached(cache, a)
+    cached(cache, b)
     m_a = cache.match_prefix(a[:20] + [5])  # ends inside a's node: its admission splits it
     m_b = cache.match_prefix(b + [7])
     r_a = cache.admit(a[:20] + [5], m_a)
-    _cached(cache, list(range(3000, 3012)))  # an insert
+    cached(cache, list(range(3000, 3012)))  # an insert
     cache.evict(swa_tokens=4)  # a's head pages: off b's window
     r_b = cache.admit(b + [7], m_b)  # was StaleMatchError before matches were re-checked
     assert r_b.length == m_b.prefix_len == 32 and r_a.length == 20
@@ -65,8 +60,8 @@ def test_a_hit_refreshes_recency():
     path again, so only a running request shows the admit's refresh.)"""
     cache = ShadowRadixCache(CacheConfig(**CFG))
     old, new = list(range(0, 32)), list(range(500, 532))
-    _cached(cache, old)
-    _cached(cache, new)
+    cached(cache, old)
+    cached(cache, new)
     r = cache.admit(old + [9])  # a hit on the older prompt, still running
     assert r.num_committed == 32
     report = cache.evict(swa_tokens=4)
@@ -79,7 +74,7 @@ def test_a_hit_refreshes_recency():
 def test_exact_hits_are_never_approximate():
     cache = ShadowRadixCache(CacheConfig(**CFG))
     prompt = list(range(40))
-    _cached(cache, prompt)
+    cached(cache, prompt)
     for cut in (8, 20, 40):
         m = cache.match_prefix(prompt[:cut] + [99])
         assert m.hit_len > 0 and not m.approximate and not m.is_replay

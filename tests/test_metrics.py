@@ -4,6 +4,7 @@ Prometheus collector exposes the cumulative totals and pool pages in the text fo
 from __future__ import annotations
 
 import pytest
+from core_helpers import cached
 
 from shadowradix import CacheConfig, ShadowRadixCache
 
@@ -11,25 +12,18 @@ CFG = dict(page_size=4, window=8, compress_ratios=(4, 0), overlap_ratios=(4,),
            full_capacity=128, swa_capacity=64)  # fmt: skip
 
 
-def _cached(cache, prompt):
-    r = cache.admit(prompt)
-    cache.extend(r, r.prompt_remaining)
-    cache.finish(r)
-    return r
-
-
 def test_intervals_count_what_happened_since_the_last_call():
     cache = ShadowRadixCache(CacheConfig(**CFG))
     first = cache.take_metrics()
     assert first.admissions == 0 and first.hit_ratio == 0.0 and first.seconds >= 0
-    _cached(cache, list(range(20)))
-    _cached(cache, list(range(16)) + [9, 9, 9, 9])  # reuses 16 tokens
+    cached(cache, list(range(20)))
+    cached(cache, list(range(16)) + [9, 9, 9, 9])  # reuses 16 tokens
     m = cache.take_metrics()
     assert (m.admissions, m.prompt_tokens, m.hit_tokens, m.matched_tokens) == (2, 40, 16, 16)
     assert m.hit_ratio == pytest.approx(0.4) and m.window_loss_tokens == 0
     assert m.full.free_pages == cache.stats().full.free_pages
     cache.evict(swa_tokens=64)  # every window: the next match holds pages it cannot reuse
-    _cached(cache, list(range(20)) + [5])
+    cached(cache, list(range(20)) + [5])
     m = cache.take_metrics()
     assert m.admissions == 1 and m.hit_tokens == 0 and m.matched_tokens == 20
     assert m.window_loss_tokens == 20 and m.tombstone_steps > 0 and m.swa_pages_evicted > 0
@@ -43,8 +37,8 @@ def test_prometheus_exposition():
     from shadowradix.integrations.prometheus import CacheCollector
 
     cache = ShadowRadixCache(CacheConfig(**CFG))
-    _cached(cache, list(range(20)))
-    _cached(cache, list(range(16)) + [9, 9, 9, 9])
+    cached(cache, list(range(20)))
+    cached(cache, list(range(16)) + [9, 9, 9, 9])
     registry = prometheus_client.CollectorRegistry()
     registry.register(CacheCollector(cache, prefix="sr"))
     text = prometheus_client.generate_latest(registry).decode()

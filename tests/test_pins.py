@@ -4,6 +4,7 @@ and is evictable again once unpinned; receipts are single-use."""
 from __future__ import annotations
 
 import pytest
+from core_helpers import cached
 
 from shadowradix import (
     CacheConfig,
@@ -18,16 +19,10 @@ CFG = dict(page_size=4, window=8, compress_ratios=(4, 0), overlap_ratios=(4,),
 PROMPT = list(range(24))
 
 
-def _cached(cache, prompt):
-    r = cache.admit(prompt)
-    cache.extend(r, r.prompt_remaining)
-    cache.finish(r)
-
-
 def test_a_pinned_prefix_survives_eviction_until_unpinned():
     cache = ShadowRadixCache(CacheConfig(**CFG))
-    _cached(cache, PROMPT)
-    _cached(cache, list(range(100, 124)))
+    cached(cache, PROMPT)
+    cached(cache, list(range(100, 124)))
     pin = cache.pin(PROMPT[:18] + [7])  # ends inside the node: split at 16 tokens
     assert pin.tokens == 16 and pin.full is not None and pin.swa is not None
     cache.check_invariants()
@@ -46,7 +41,7 @@ def test_a_pinned_prefix_survives_eviction_until_unpinned():
 
 def test_receipts_are_single_use_and_local():
     a, b = ShadowRadixCache(CacheConfig(**CFG)), ShadowRadixCache(CacheConfig(**CFG))
-    _cached(a, PROMPT)
+    cached(a, PROMPT)
     pin = a.pin(PROMPT)
     with pytest.raises(LockError):
         b.unpin(pin)
@@ -63,7 +58,7 @@ def test_receipts_are_single_use_and_local():
 
 def test_pins_count_in_the_invariants():
     cache = ShadowRadixCache(CacheConfig(**CFG))
-    _cached(cache, PROMPT)
+    cached(cache, PROMPT)
     pin = cache.pin(PROMPT)
     cache._pins.clear()  # a pin the cache forgot: its locks now belong to nobody
     with pytest.raises(InvariantError, match="receipts"):
