@@ -80,10 +80,14 @@ def hc_mix(
     """mHC coefficients for ``streams`` of shape ``(N, S, D)``: the sub-block input (N, D), the
     output gains (N, S) and the Sinkhorn-normalised residual mixing (N, S, S)."""
     n, s, d = streams.shape
-    flat = rms_norm(streams.reshape(n, s * d), hc.norm, eps)
-    pre = torch.sigmoid(flat @ hc.w_pre + hc.b_pre)
-    post = 2.0 * torch.sigmoid(flat @ hc.w_post + hc.b_post)
-    res = sinkhorn((flat @ hc.w_res + hc.b_res).view(n, s, s).to(acc_dtype(flat)), iters)
+    flat = streams.reshape(n, s * d)
+    acc = acc_dtype(flat)
+    # rms_norm(flat) @ W == rstd * (flat @ diag(norm) W): no normalised copy of the wide rows
+    ms = torch.linalg.vector_norm(flat, dim=-1, dtype=acc).square_() / (s * d)
+    z = (flat @ hc.w_folded).to(acc) * torch.rsqrt(ms + eps)[:, None]
+    pre = torch.sigmoid(z[:, :s] + hc.b_pre.to(acc)).to(streams.dtype)
+    post = (2.0 * torch.sigmoid(z[:, s : 2 * s] + hc.b_post.to(acc))).to(streams.dtype)
+    res = sinkhorn((z[:, 2 * s :] + hc.b_res.to(acc)).view(n, s, s), iters)
     x = torch.einsum("ns,nsd->nd", pre, streams)
     return x, post, res.to(streams.dtype)
 

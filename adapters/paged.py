@@ -75,24 +75,46 @@ class PagedStep:
         )
 
 
-def _window(plans: list[ReadPlan], req: np.ndarray, pos: np.ndarray, window: int):
-    """Slots of positions ``(t - W, t]`` for every token, from each request's read plan.
+def _window(
+    plans: list[ReadPlan], req: np.ndarray, pos: np.ndarray, window: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots of positions ``(t - W, t]`` for every token, from each request's read plan, as
+    ``(N, W)`` device tensors (slots, mask). Only the plans' short slot lists cross to the
+    device; the ``(N, W)`` grid is built there.
 
     Positions before 0, and before a replayed request's ``replay_start`` (the replay rebuilt
     the window from there: nothing earlier is live), are masked (their keys are gathered from
     the plan's first, live slot, never from a stale row); any other position the plan does not
-    cover is a bug (`RuntimeError`)."""
+    cover is a bug (`RuntimeError`), checked per request on the host."""
     sizes = np.array([len(p.swa_slots) for p in plans], dtype=I64)
     base = np.cumsum(sizes) - sizes
     first = np.array([p.swa_positions[0] if len(p.swa_positions) else 0 for p in plans], I64)
     live_from = np.array([p.replay_start or 0 for p in plans], dtype=I64)
-    flat = np.concatenate([p.swa_slots for p in plans])
-    want = pos[:, None] - (window - 1) + np.arange(window, dtype=I64)[None, :]
-    mask = want >= live_from[req][:, None]
-    local = np.where(mask, want - first[req][:, None], 0)
-    if mask.any() and (local[mask] < 0).any():
+    _check_window_covered(req, pos, window, first, live_from)
+    flat = _device(np.concatenate([p.swa_slots for p in plans]), device)
+    req_t = _device(req, device)
+    want = _device(pos, device)[:, None] - (window - 1) + torch.arange(window, device=device)
+    mask = want >= _device(live_from, device)[req_t][:, None]
+    local = torch.where(mask, want - _device(first, device)[req_t][:, None], 0)
+    return flat[_device(base, device)[req_t][:, None] + local], mask
+
+
+def _check_window_covered(
+    req: np.ndarray, pos: np.ndarray, window: int, first: np.ndarray, live_from: np.ndarray
+) -> None:
+    """The earliest live window position of each request (its first token's, positions
+    ascend within a request) must be in its plan."""
+    if not len(req):
+        return
+    starts = np.flatnonzero(np.r_[True, req[1:] != req[:-1]])
+    r = req[starts]
+    earliest = np.maximum(pos[starts] - (window - 1), live_from[r])
+    if (earliest < first[r]).any():
         raise RuntimeError("read plan does not cover a query's window (pass start=)")
-    return flat[base[req][:, None] + local], mask
+
+
+def _device(a: np.ndarray, device, dtype=torch.long) -> torch.Tensor:
+    return torch.from_numpy(np.require(a, requirements=["C", "W"])).to(device=device, dtype=dtype)
 
 
 def _stream_step(
@@ -150,12 +172,10 @@ def build_step(
     arrays = alloc.arrays
     pos = arrays.positions
     req = np.repeat(np.arange(len(plans), dtype=I64), np.diff(arrays.token_offsets))
-    win, win_mask = _window(plans, req, pos, model.window)
+    win, win_mask = _window(plans, req, pos, model.window, device)
 
     def t(a: np.ndarray, dtype=torch.long) -> torch.Tensor:
-        return torch.from_numpy(np.require(a, requirements=["C", "W"])).to(
-            device=device, dtype=dtype
-        )
+        return _device(a, device, dtype)
 
     streams = {}
     for s in arrays.streams:
@@ -168,8 +188,8 @@ def build_step(
         positions=t(pos),
         token_request=t(req),
         swa_slots=t(arrays.swa_slots),
-        window_slots=t(win),
-        window_mask=t(win_mask, torch.bool),
+        window_slots=win,
+        window_mask=win_mask,
         streams=streams,
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
@@ -20,6 +21,15 @@ class HyperConnection:
     b_post: torch.Tensor
     b_res: torch.Tensor
     norm: torch.Tensor  # (S*D,)
+
+    @cached_property
+    def w_folded(self) -> torch.Tensor:
+        """``diag(norm) @ [w_pre | w_post | w_res]`` ``(S*D, 2S + S*S)``: the RMSNorm's weight
+        folded into the three projections, so `ops.hc_mix` reads the wide streams once (one
+        skinny matmul) and scales the few outputs by the rms instead of normalising them."""
+        w = torch.cat((self.w_pre, self.w_post, self.w_res), dim=1)
+        wide = torch.float64 if w.dtype == torch.float64 else torch.float32
+        return (self.norm.to(wide)[:, None] * w.to(wide)).to(w.dtype)
 
 
 @dataclass(frozen=True)

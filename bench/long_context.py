@@ -13,8 +13,10 @@ concatenated; the prompt's sha256 is recorded), or ``--file``. For each context 
 * the peak GPU memory of the point (``torch.cuda.max_memory_allocated``) and what the runner's
   step-memory model predicted for its largest step.
 
-``--torch-path`` times the tiled torch references instead of the Triton indexer and attention
-kernels (the same runner, side by side in one process when both are given: ``--both``).
+``--paths torch`` times the tiled torch references instead of the Triton indexer and attention
+kernels (``--paths both``: side by side in one process). ``--warm`` first prefills a different
+prompt of each length (``warmup_ttft_s``), so the measured TTFT is an engine's after warm-up,
+without kernel compiles (``triton_compiles`` counts those of the measured prompt).
 
     python bench/long_context.py --contexts 4096,32768,131072 --batch 32 --json out.json
 """
@@ -147,6 +149,11 @@ def point(args, model, weights, data: bytes, context: int) -> dict:
     runner = make_runner(model, weights, context, args.batch, args.new_tokens, args.chunk, fmt)
     digest = hashlib.sha256(bytes(t for t in prompt if t < 256)).hexdigest()[:16]
     row: dict[str, object] = dict(kv_format=args.kv_format, context=len(prompt), sha256=digest)
+    if args.warm:  # a different prompt of the same length first: the kernels it compiles stay
+        other = [ByteTokenizer.bos] + list(data[context : 2 * context - 1])
+        warm = make_runner(model, weights, context, 0, 2, args.chunk, fmt)
+        row["warmup_ttft_s"] = prefill_point(warm, other, 2)["ttft_s"]
+        del warm
     seen = len(args.watch.events) if args.watch else 0
     row.update(prefill_point(runner, prompt, args.new_tokens))
     if args.watch:
@@ -174,6 +181,9 @@ def main() -> int:
     ap.add_argument("--file", default=None, help="prompt text (default: the stdlib sources)")
     ap.add_argument("--paths", default="kernels", help="kernels, torch or both")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--warm", action="store_true",
+                    help="prefill a different prompt of each length first (an engine warmed "
+                    "up at start): TTFT without kernel compiles; its own TTFT is warmup_ttft_s")  # fmt: skip
     ap.add_argument("--kv-format", default="bf16", choices=("bf16", "fp8"),
                     help="format of the window KV and the indexer keys")  # fmt: skip
     ap.add_argument("--device", default="cuda", help="cuda (bf16) or cpu (fp32, a smoke run)")
@@ -182,7 +192,8 @@ def main() -> int:
         print("no CUDA device: run on a GPU, or --device cpu --model tiny for a smoke run")
         return 2
     contexts = [int(c) for c in args.contexts.split(",")]
-    data = corpus(args.file, max(contexts) + (args.batch + 1) * TAIL)
+    need = max(contexts) * (2 if args.warm else 1)
+    data = corpus(args.file, need + (args.batch + 1) * TAIL)
     model = preset(args.model)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     weights = init_weights(model, args.device, dtype)

@@ -109,3 +109,28 @@ def test_rope_inplace_equals_the_copy():
     y = x.clone()
     assert ops.rope(y, pos, 8, 10000.0, inplace=True) is y
     assert not torch.equal(y, x)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.bfloat16, 2e-2)])
+def test_hc_mix_folds_the_norm_into_its_projections(dtype, tol) -> None:
+    """`ops.hc_mix` scales ``flat @ diag(norm) W`` by the rms instead of normalising the wide
+    streams: the same coefficients as the textbook chain (normalise, then three projections),
+    to fp64 rounding, and within bf16 rounding of the fp64 chain in bf16."""
+    from adapters.model_config import preset
+    from adapters.weights import init_weights
+
+    cfg = preset("tiny")
+    hc = init_weights(cfg, dtype=torch.float64).layers[0].hc_attn
+    g = torch.Generator().manual_seed(3)
+    streams = torch.randn(6, cfg.hc_streams, cfg.hidden, generator=g, dtype=torch.float64)
+    n, s, d = streams.shape
+    flat = ops.rms_norm(streams.reshape(n, s * d), hc.norm, cfg.norm_eps)
+    pre = torch.sigmoid(flat @ hc.w_pre + hc.b_pre)
+    post = 2.0 * torch.sigmoid(flat @ hc.w_post + hc.b_post)
+    res = ops.sinkhorn_reference((flat @ hc.w_res + hc.b_res).view(n, s, s), cfg.sinkhorn_iters)
+    x = torch.einsum("ns,nsd->nd", pre, streams)
+    low = init_weights(cfg, dtype=dtype).layers[0].hc_attn
+    got = ops.hc_mix(streams.to(dtype), low, cfg.sinkhorn_iters, cfg.norm_eps)
+    for g_, w_ in zip(got, (x, post, res)):
+        assert g_.dtype == dtype
+        torch.testing.assert_close(g_.double(), w_, rtol=tol, atol=tol)

@@ -41,6 +41,19 @@ def test_long_context_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         # the batch reused the cached prompt: far fewer than 3 prompts' worth were prefilled
         assert r["prefill_tokens"] < 2 * r["context"]
     assert rows[0]["decode_ratio_to_first"] == 1.0
+    assert "warmup_ttft_s" not in rows[0]
+
+
+def test_long_context_bench_warm_prefills_another_prompt_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "warm.json"
+    argv = ["--device", "cpu", "--model", "tiny", "--contexts", "200", "--warm",
+            "--new-tokens", "3", "--chunk", "128", "--json", str(out)]  # fmt: skip
+    assert _main(monkeypatch, *argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["warmup_ttft_s"] > 0 and row["ttft_s"] > 0
+    assert row["prefill_tokens"] == 200  # a fresh runner: the warm-up prompt is not reused
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")

@@ -162,6 +162,24 @@ def test_chunked_prefill_matches_reference_exactly(page: int, schedule: str) -> 
     eng.cache.check_invariants()
 
 
+def test_a_read_plan_that_misses_a_query_window_is_refused() -> None:
+    """`build_step` needs ``read_plan(start=)`` of the chunk's first token: the default plan (the
+    window of the request's end) misses the early queries' windows, and that is a bug the step
+    builder names instead of reading some other request's keys."""
+    eng = Paged(CFG, 4, 300)
+    prompt = TOKENS[:300]
+    req = eng.admit(prompt, reuse=False)
+    alloc = eng.cache.extend_batch([req], [prompt])
+    flat = np.asarray(prompt, np.int64)
+    with pytest.raises(RuntimeError, match="does not cover"):
+        build_step(CFG, alloc, [eng.cache.read_plan(req)], flat, "cpu")
+    step = build_step(CFG, alloc, [eng.cache.read_plan(req, start=0)], flat, "cpu")
+    assert step.window_slots.shape == (300, CFG.window)
+    # token t's last window column is its own slot; masked columns (before position 0) are off
+    assert torch.equal(step.window_slots[:, -1], step.swa_slots)
+    assert not step.window_mask[0, :-1].any() and step.window_mask[-1].all()
+
+
 @pytest.mark.parametrize("length", CRITICAL)
 @pytest.mark.parametrize("page", [4, 64])
 def test_prompt_length_then_decode_matches_reference(page: int, length: int) -> None:
