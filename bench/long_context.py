@@ -181,9 +181,12 @@ def main() -> int:
     ap.add_argument("--file", default=None, help="prompt text (default: the stdlib sources)")
     ap.add_argument("--paths", default="kernels", help="kernels, torch or both")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--warm", action="store_true",
-                    help="prefill a different prompt of each length first (an engine warmed "
-                    "up at start): TTFT without kernel compiles; its own TTFT is warmup_ttft_s")  # fmt: skip
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="prefill a different prompt of each length first (an engine warmed up at start): "
+        "TTFT without kernel compiles; its own TTFT is warmup_ttft_s",
+    )
     ap.add_argument("--kv-format", default="bf16", choices=("bf16", "fp8"),
                     help="format of the window KV and the indexer keys")  # fmt: skip
     ap.add_argument("--device", default="cuda", help="cuda (bf16) or cpu (fp32, a smoke run)")
