@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -34,11 +35,7 @@ def test_cli_demo_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_trace_replay_bench_runs_and_hits() -> None:
-    spec_ = importlib.util.spec_from_file_location("trace_replay", ROOT / "bench/trace_replay.py")
-    assert spec_ is not None and spec_.loader is not None
-    bench = importlib.util.module_from_spec(spec_)
-    sys.modules["trace_replay"] = bench
-    spec_.loader.exec_module(bench)
+    bench = _load_bench("trace_replay")
     spec = bench.TraceSpec(
         num_requests=60, num_groups=2, prefix_len=256, unique_len=64, decode_len=8, batch=8
     )
@@ -46,3 +43,50 @@ def test_trace_replay_bench_runs_and_hits() -> None:
     # 2 groups: all but the first request of each group reuse the 256-token prefix
     assert result.hit_ratio == pytest.approx(58 * 256 / (60 * 320), abs=1e-9)
     assert result.preemptions == 0
+
+
+def _load_bench(name: str):  # type: ignore[no-untyped-def]
+    spec_ = importlib.util.spec_from_file_location(name, ROOT / f"bench/{name}.py")
+    assert spec_ is not None and spec_.loader is not None
+    bench = importlib.util.module_from_spec(spec_)
+    sys.modules[name] = bench
+    spec_.loader.exec_module(bench)
+    return bench
+
+
+def test_peer_trace_bench_runs_ours_and_hits(tmp_path: Path) -> None:
+    """bench/peer_trace.py on a tiny trace, without the peers: every lifecycle mode serves every
+    request, hits the whole group prefix after each group's first request, and writes its JSON."""
+    bench = _load_bench("peer_trace")
+    w = bench.Workload(reqs=24, groups=3, prefix=160, suffix=40, decode=20, kv_size=8192,
+                       swa_size=4096)  # fmt: skip
+    seqs = bench.make_workload(w)
+    assert len(seqs) == 24 and all(len(s) == 220 for s in seqs)
+    firsts = len({tuple(s[:160].tolist()) for s in seqs})
+    ceiling = (24 - firsts) * 160 / (24 * 200)
+    for arrays in ("lazy", "built"):
+        for decode in ("chunk", "steps"):
+            res = bench.run_ours(w, seqs, arrays, decode)
+            assert res.skipped == 0 and res.hit_ratio == pytest.approx(ceiling, abs=1e-9)
+    out = tmp_path / "peer.json"
+    argv = ["--reqs=12", "--groups=2", "--prefix=160", "--suffix=40", "--decode=20", "--reps=1",
+            "--kv-size=8192", "--swa-size=4096", "--no-peers", f"--json={out}"]  # fmt: skip
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert set(result["summary"]) >= {"lazy/chunk", "built/chunk"}
+    assert result["meta"]["commit"] and result["meta"]["command"]
+
+
+def test_peer_trace_parses_the_sglang_driver_output() -> None:
+    bench = _load_bench("peer_trace")
+    text = (
+        "unified_swa[rust]      core=RustUnifiedTreeCore  reqs=2000 wall=1.96s req/s=1,018 "
+        "prompt_hit=0.669 evict_calls=2685 skipped=0\n    match=49,585/s(n=2000)\n"
+        "    full_ok=True swa_ok=True (full av=1409) sanity=pass (0.00s)\n"
+        "plain                  core=RadixCache           reqs=2000 wall=1.36s req/s=1,473 "
+        "prompt_hit=0.835 evict_calls=1325 skipped=0\n    match=1/s\n    full_ok=False (av=1)\n"
+    )
+    rows = bench.parse_driver_output(text)
+    assert rows["unified_swa[rust]"] == dict(core="RustUnifiedTreeCore", requests_per_s=1018.0,
+                                             hit_ratio=0.669, invariants_ok=True)  # fmt: skip
+    assert rows["plain"]["requests_per_s"] == 1473.0 and rows["plain"]["invariants_ok"] is False
