@@ -345,6 +345,25 @@ def decode(run: Run, b: int, kdt, sweep: bool) -> None:
     run.save()
 
 
+def shared_decode(run: Run, b: int, kdt) -> None:
+    """``b`` requests over one document: their tables are one table but for the last page (a
+    distinct tail each), timed with the shared-prefix split on and off, side by side."""
+    g_rows = 512 if run.smoke else 262144
+    tag = KEY_TAGS[kdt]
+    shape = f"B{b} G{g_rows} {tag} spp16 shared prefix"
+    q, w, keys, scale, rows = run.decode_case(b, g_rows, kdt, 40 + b)
+    table = rows.table.clone()
+    table[:, :-1] = table[0, :-1]  # the last page of each row stays its own
+    rows = run.PoolRows(table, rows.lengths, None, rows.slots_per_page)
+    key_bytes = b * g_rows * keys.shape[1] * keys.element_size()
+    for split in (True, False):
+        run.check(f"decode {shape} split={split}", q, w, keys, scale, rows, shared_prefix=split)
+        out = torch.empty(b, g_rows, device=run.dev)
+        fn = [lambda: run.kernel(q, w, keys, scale, rows, out=out, shared_prefix=split)]
+        run.timed(f"kernel decode {tag} shared prefix, split={split}", shape, fn, 5, key_bytes)
+    run.save()
+
+
 def prefill(run: Run, kdt, sweep: bool) -> None:
     n, g_rows = (16, 512) if run.smoke else (2048, 32768)
     tag = KEY_TAGS[kdt]
@@ -672,6 +691,8 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes")
     p.add_argument("--fp8-candidates", action="store_true",
                    help="only section 4: the FP8 key paths beside bf16 keys")  # fmt: skip
+    p.add_argument("--only", default=None,
+                   help="run only the parts whose names contain this (e.g. 'shared prefix')")  # fmt: skip
     args = p.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA device: run on a GPU, or use --smoke to exercise the script on the CPU")
@@ -684,9 +705,11 @@ def main(argv=None) -> int:
         ("checks", lambda: checks(run)),
         ("decode B1 bf16", lambda: decode(run, 1, bf, False)),
         ("decode B32 bf16", lambda: decode(run, 32, bf, False)),
+        ("decode B32 bf16 shared prefix", lambda: shared_decode(run, 32, bf)),
         ("prefill bf16", lambda: prefill(run, bf, False)),
         ("decode B1 fp8", lambda: decode(run, 1, FP8, False)),
         ("decode B32 fp8", lambda: decode(run, 32, FP8, False)),
+        ("decode B32 fp8 shared prefix", lambda: shared_decode(run, 32, FP8)),
         ("prefill fp8", lambda: prefill(run, FP8, False)),
         ("decode B32 fp4", lambda: decode(run, 32, FP4, False)),  # V4.1 keys: unmeasured yet
         ("prefill fp4", lambda: prefill(run, FP4, False)),
@@ -701,6 +724,8 @@ def main(argv=None) -> int:
             ("sweep decode B32 fp8", lambda: decode(run, 32, FP8, True)),
             ("sweep decode B32 fp4", lambda: decode(run, 32, FP4, True)),
         ]
+    if args.only:
+        parts = [(n, f) for n, f in parts if args.only in n]
     for name, part in parts:
         if name.startswith("sweep") and run.elapsed() > args.budget:
             run.log(f"{name}: skipped (time budget)")

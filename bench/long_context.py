@@ -149,9 +149,10 @@ def point(args, model, weights, data: bytes, context: int) -> dict:
     runner = make_runner(model, weights, context, args.batch, args.new_tokens, args.chunk, fmt)
     digest = hashlib.sha256(bytes(t for t in prompt if t < 256)).hexdigest()[:16]
     row: dict[str, object] = dict(kv_format=args.kv_format, context=len(prompt), sha256=digest)
-    if args.warm:  # a different prompt of the same length first: the kernels it compiles stay
+    if args.warm:  # a different prompt of the same length first, through a runner of the same
+        # pools (Triton specialises on their sizes): the kernels it compiles stay compiled
         other = [ByteTokenizer.bos] + list(data[context : 2 * context - 1])
-        warm = make_runner(model, weights, context, 0, 2, args.chunk, fmt)
+        warm = make_runner(model, weights, context, args.batch, args.new_tokens, args.chunk, fmt)
         row["warmup_ttft_s"] = prefill_point(warm, other, 2)["ttft_s"]
         del warm
     seen = len(args.watch.events) if args.watch else 0

@@ -168,6 +168,34 @@ def check_shared_rows(ix):
     _close(ix.flash_index_logits(q, w, keys, rows), index_logits_reference(q, w, keys, rows))
 
 
+def _shared_tables(gen, n, pages, lead, pool_pages):
+    """``n`` page tables of distinct random pages whose first ``lead`` entries are row 0's."""
+    table = torch.stack([torch.randperm(pool_pages, generator=gen)[:pages] for _ in range(n)])
+    table[:, :lead] = table[0, :lead]
+    return table
+
+
+def check_shared_prefix_decode(ix):
+    """Decode over tables that begin alike (a batch over one document): the shared rows are
+    read once for all and each request's own rows after them; the same logits as the reference
+    (and as without the split) for no, a partial and a whole shared prefix, for requests shorter
+    than the shared part, and for a tile-unaligned split (16 rows a page, 32-row tiles)."""
+    gen = torch.Generator().manual_seed(24)
+    spp, pages, d = 16, 6, 16
+    keys = torch.randn(4 * pages * spp * 4, d, generator=gen)
+    for lead in (0, 3, pages):
+        table = _shared_tables(gen, 4, pages, lead, keys.shape[0] // spp)
+        lengths = torch.tensor([pages * spp, 5, lead * spp + 7, pages * spp - 1])
+        rows = PoolRows(table, lengths, None, spp)
+        q = torch.randn(4, 4, d, generator=gen)
+        w = torch.randn(4, 4, generator=gen)
+        want = index_logits_reference(q, w, keys, rows)
+        assert int(ix.shared_prefix_rows(table, spp)) == lead * spp
+        for knobs in (dict(block_e=32, span=32), dict(block_e=16, block_q=2)):
+            _close(ix.flash_index_logits(q, w, keys, rows, shared_prefix=True, **knobs), want)
+        _close(ix.flash_index_logits(q, w, keys, rows, shared_prefix=False), want)
+
+
 def check_key_dtypes(ix):
     """16-bit q and keys, FP8 keys with one scale per pool row, fp32 q over bf16 keys."""
     gen = torch.Generator().manual_seed(22)
@@ -378,6 +406,7 @@ CHECKS = [
     "check_fp4_errors",
     "check_empty_and_out",
     "check_errors",
+    "check_shared_prefix_decode",
     "check_plans_and_config",
     "check_fp8_mode_choice",
 ]

@@ -54,6 +54,7 @@ from .indexer_plan import (
     FP8_PREFILL_MODE,
     INTERPRETER_PLAN,
     ONE_DOT_LAUNCH,
+    SHARED_PREFIX_MIN_ROWS,
     DotPlan,
     Fp8Mode,
     Launch,
@@ -62,7 +63,7 @@ from .indexer_plan import (
     launch_config,
 )
 from .indexer_reference import FP4_DTYPE, FP8_DTYPES
-from .rows import PoolRows
+from .rows import PoolRows, shared_prefix_rows
 
 __all__ = [
     "FP4_LAUNCH",
@@ -74,9 +75,11 @@ __all__ = [
     "Fp8Mode",
     "Launch",
     "dot_plan",
+    "SHARED_PREFIX_MIN_ROWS",
     "flash_index_logits",
     "fp8_mode_for",
     "launch_config",
+    "shared_prefix_rows",
 ]
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -256,6 +259,7 @@ def _index_kernel(
     tab_ptr,
     len_ptr,
     qrow_ptr,
+    clip_ptr,
     out_ptr,
     N,
     G,
@@ -281,11 +285,18 @@ def _index_kernel(
     Q_PARTS: tl.constexpr,
     KEY_OPERAND: tl.constexpr,
     Q_FORMAT: tl.constexpr,
+    CLIP: tl.constexpr,
 ):
-    """Program ``(b, s)``: queries ``b*BLOCK_Q ..``, rows ``[s*span, (s+1)*span) & [0, G)``."""
+    """Program ``(b, s)``: queries ``b*BLOCK_Q ..``, rows ``[s*span, (s+1)*span) & [0, G)``,
+    and with ``CLIP`` 1 only those below ``*clip_ptr``, with ``CLIP`` 2 only those from it on
+    (the two halves of a shared-prefix decode)."""
     n0 = tl.program_id(0) * BLOCK_Q
     e_lo = tl.program_id(1) * span
     e_hi = tl.minimum(e_lo + span, G)
+    if CLIP == 1:
+        e_hi = tl.minimum(e_hi, tl.load(clip_ptr))
+    elif CLIP == 2:
+        e_lo = tl.maximum(e_lo, tl.load(clip_ptr))
     if HAS_QROW:
         r0 = tl.load(qrow_ptr + n0)
     else:  # decode: query n reads row set n (BLOCK_Q == 1)
@@ -350,7 +361,9 @@ def flash_index_logits(
     length (lengths are clamped to ``[0, G]``). Written into ``out`` (fp32 ``(N, G)``, unit stride
     along G) when given. The ``knobs`` (``fp8_mode``, ``block_q``, ``block_e``, ``span``,
     ``num_warps``, ``num_stages``, ``per_sm``, ``maxnreg``) override `fp8_mode_for` and
-    `launch_config`.
+    `launch_config`; ``shared_prefix`` (decode: one query per row set) forces the shared-prefix
+    split on or off (default: on from `SHARED_PREFIX_MIN_ROWS` rows; ``block_q`` then sizes the
+    shared half's blocks).
     Raises `ValueError` for inconsistent shapes, other dtypes (fp64 is the reference's), FP8
     or FP4 keys without (the right) scales, keys not contiguous along d, or an FP8 mode that
     does not apply."""
@@ -367,25 +380,56 @@ def flash_index_logits(
     w = w if w.stride(1) == 1 else w.contiguous()
     table = rows.table if rows.table.stride(1) == 1 else rows.table.contiguous()
     lengths = rows.lengths.contiguous()
-    qrow = lengths if rows.qrow is None else rows.qrow.contiguous()
-    shared = rows.qrow is not None
     plan = INTERPRETER_PLAN if _INTERPRETED else dot_plan(q.dtype, keys.dtype)
-    mode = fp8_mode_for(q.dtype, keys.dtype, shared, knobs.pop("fp8_mode", None))
-    fp4, scaled = keys.dtype == FP4_DTYPE, keys.dtype in FP8_DTYPES + (FP4_DTYPE,)
-    cfg = launch_config(n, g, shared, keys.element_size(), plan, q.device, fp8_mode=mode,
-                        fp4=fp4, **knobs)  # fmt: skip
-    span, bq, mode = cfg.pop("span"), cfg["BLOCK_Q"], cfg.pop("fp8_mode")
-    if cfg["maxnreg"] is None:
-        del cfg["maxnreg"]
-    dot_dtype = tl.float16 if mode.q_format == 1 else _DOT_DTYPES.get(plan.dtype, tl.bfloat16)
-    scale = key_scale.contiguous() if key_scale is not None and scaled else None
-    grid = (triton.cdiv(n, bq), triton.cdiv(g, span))
-    _index_kernel[grid](
-        q, w, keys, out if scale is None else scale, table, lengths, qrow, out,
-        n, g, span, q.stride(0), q.stride(1), w.stride(0), keys.stride(0), table.stride(0),
-        out.stride(0), H=h, D=d, HP=max(16, triton.next_power_of_2(h)),
-        DP=max(16, triton.next_power_of_2(d)), SPP=rows.slots_per_page, HAS_QROW=shared,
-        HAS_SCALE=scale is not None and not fp4, FP4=fp4, DOT_DTYPE=dot_dtype, K_PARTS=plan.k_parts,
-        Q_PARTS=plan.q_parts, KEY_OPERAND=mode.key_operand, Q_FORMAT=mode.q_format, **cfg,
-    )  # fmt: skip
+    requested = knobs.pop("fp8_mode", None)
+    split = knobs.pop("shared_prefix", None)
+    if split is None:
+        split = rows.qrow is None and n > 1 and g >= SHARED_PREFIX_MIN_ROWS
+    launch = _Launch(q, w, keys, key_scale, table, lengths, out, plan, rows.slots_per_page)
+    if rows.qrow is not None:
+        launch(rows.qrow.contiguous(), True, requested, knobs)
+    elif not split or n == 1:
+        launch(None, False, requested, knobs)
+    else:  # the rows every request shares with request 0 once for all (a prefill's tiles),
+        # then each request's own rows (a decode's); the split is computed on the device
+        shared = shared_prefix_rows(table, rows.slots_per_page)
+        mode = fp8_mode_for(q.dtype, keys.dtype, False, requested)  # one rounding for both
+        everyone_reads_set_0 = torch.zeros(n, dtype=torch.long, device=q.device)
+        launch(everyone_reads_set_0, True, mode, knobs, clip=(1, shared))
+        own = {k: v for k, v in knobs.items() if k != "block_q"}  # one query a program
+        launch(None, False, mode, own, clip=(2, shared))
     return out
+
+
+class _Launch:
+    """One `_index_kernel` launch over the operands of a `flash_index_logits` call."""
+
+    def __init__(self, q, w, keys, key_scale, table, lengths, out, plan, spp) -> None:
+        self.q, self.w, self.keys, self.out = q, w, keys, out
+        self.table, self.lengths, self.plan, self.spp = table, lengths, plan, spp
+        self.fp4 = keys.dtype == FP4_DTYPE
+        scaled = keys.dtype in FP8_DTYPES + (FP4_DTYPE,)
+        self.scale = key_scale.contiguous() if key_scale is not None and scaled else None
+
+    def __call__(self, qrow, shared: bool, fp8_mode, knobs: dict, clip=(0, None)) -> None:
+        q, keys, out, plan = self.q, self.keys, self.out, self.plan
+        (n, h, d), g = q.shape, out.shape[1]
+        mode = fp8_mode_for(q.dtype, keys.dtype, shared, fp8_mode)
+        cfg = launch_config(n, g, shared, keys.element_size(), plan, q.device, fp8_mode=mode,
+                            fp4=self.fp4, **knobs)  # fmt: skip
+        span, bq, mode = cfg.pop("span"), cfg["BLOCK_Q"], cfg.pop("fp8_mode")
+        if cfg["maxnreg"] is None:
+            del cfg["maxnreg"]
+        dot_dtype = tl.float16 if mode.q_format == 1 else _DOT_DTYPES.get(plan.dtype, tl.bfloat16)
+        scale = self.scale
+        grid = (triton.cdiv(n, bq), triton.cdiv(g, span))
+        _index_kernel[grid](
+            q, self.w, keys, out if scale is None else scale, self.table, self.lengths,
+            self.lengths if qrow is None else qrow, self.lengths if clip[1] is None else clip[1],
+            out, n, g, span, q.stride(0), q.stride(1), self.w.stride(0), keys.stride(0),
+            self.table.stride(0), out.stride(0), H=h, D=d, HP=max(16, triton.next_power_of_2(h)),
+            DP=max(16, triton.next_power_of_2(d)), SPP=self.spp, HAS_QROW=qrow is not None,
+            HAS_SCALE=scale is not None and not self.fp4, FP4=self.fp4, DOT_DTYPE=dot_dtype,
+            K_PARTS=plan.k_parts, Q_PARTS=plan.q_parts, KEY_OPERAND=mode.key_operand,
+            Q_FORMAT=mode.q_format, CLIP=clip[0], **cfg,
+        )  # fmt: skip

@@ -106,6 +106,10 @@ class Fp8Mode(enum.IntEnum):
 FP8_DECODE_MODE = Fp8Mode.STAGED_F16
 FP8_PREFILL_MODE = Fp8Mode.STAGED
 
+#: Decode launches over at least this many rows per request look for a prefix of rows every
+#: request shares (`rows.shared_prefix_rows`) and read it once for all (``shared_prefix`` knob).
+SHARED_PREFIX_MIN_ROWS = 8192
+
 
 class Launch(NamedTuple):
     """Defaults of one kind of launch (`launch_config`)."""

@@ -112,3 +112,10 @@ class PoolRows:
         """``(N, G)``: row ``g`` is read by query ``n``."""
         g = torch.arange(self.num_rows, device=self.lengths.device)
         return g[None, :] < self.lengths[:, None]
+
+
+def shared_prefix_rows(table: torch.Tensor, slots_per_page: int) -> torch.Tensor:
+    """``(1,)`` int32 on the table's device: rows ``[0, that)`` of every row set are row set 0's
+    (their leading table entries are equal). No host sync: capturable in a CUDA graph."""
+    same = (table == table[:1]).all(0).to(torch.int32)
+    return (same.cumprod(0).sum() * slots_per_page).to(torch.int32).reshape(1)
