@@ -359,7 +359,7 @@ def shared_decode(run: Run, b: int, kdt) -> None:
     for split in (True, False):
         run.check(f"decode {shape} split={split}", q, w, keys, scale, rows, shared_prefix=split)
         out = torch.empty(b, g_rows, device=run.dev)
-        fn = [lambda: run.kernel(q, w, keys, scale, rows, out=out, shared_prefix=split)]
+        fn = [lambda o=out, s=split: run.kernel(q, w, keys, scale, rows, out=o, shared_prefix=s)]
         run.timed(f"kernel decode {tag} shared prefix, split={split}", shape, fn, 5, key_bytes)
     run.save()
 
@@ -692,7 +692,7 @@ def main(argv=None) -> int:
     p.add_argument("--fp8-candidates", action="store_true",
                    help="only section 4: the FP8 key paths beside bf16 keys")  # fmt: skip
     p.add_argument("--only", default=None,
-                   help="run only the parts whose names contain this (e.g. 'shared prefix')")  # fmt: skip
+                   help="only the parts whose names contain this ('shared prefix')")  # fmt: skip
     args = p.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA device: run on a GPU, or use --smoke to exercise the script on the CPU")
