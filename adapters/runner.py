@@ -20,13 +20,11 @@ import operator
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from shadowradix import CacheConfig, CapacityError, InvalidRequestError, ReadPlan, ShadowRadixCache
-from shadowradix.request import Request
 
 from .device import resolve_device
 from .formats import CacheFormat
@@ -37,7 +35,9 @@ from .mtp import resume_hidden, run_step_mtp
 from .paged import build_step, run_step, run_tail_only_step
 from .pools import KVPools
 from .replay import replay_step
+from .runner_stats import RunnerStats
 from .sampling import Sampler, SamplingParams, sample_batch
+from .sequence import GenerationResult, _Seq
 from .speculative import DraftSource, MTPDraft, SpeculativeDecoder
 from .weights import ModelWeights, init_weights
 
@@ -52,89 +52,6 @@ def _token(t: object) -> int:
 class UnsupportedRequestError(InvalidRequestError):
     """The request asks for something the runner's mode cannot give: prompt logprobs under
     tail-only prefill (the later layers never see most prompt positions)."""
-
-
-@dataclass
-class GenerationResult:
-    """One request's outcome. ``finish_reason``: ``"length"``, ``"stop"`` or ``"error"``.
-
-    ``approximate``: the request's output may differ from an exact run, because tail-only
-    prefill skipped some of its prompt tokens past the last KV-source layer, or it reused a
-    cached prefix after the runner had skipped tokens. ``prompt_logprobs``: with
-    ``SamplingParams(prompt_logprobs=True)``, ``None`` for the first prompt token, then the
-    log-probability of each prompt token given the tokens before it."""
-
-    request_id: int
-    prompt: list[int]
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-    cached_tokens: int = 0
-    preemptions: int = 0
-    #: some output token was computed from approximate state: a bounded replay (this
-    #: request's replayed hit, or cached state derived from one: the core's replay lineage) or
-    #: a tail-only prefill (this request's, or a reused prefix that may hold its holes)
-    approximate: bool = False
-    prompt_logprobs: list[float | None] | None = None
-
-
-@dataclass
-class RunnerStats:
-    """Counters. Tail-only: ``tail_only_forwards`` prefill forwards skipped some tokens past
-    the last KV-source layer, ``tail_skipped_tokens`` of them in all."""
-
-    steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    preemptions: int = 0
-    tail_only_forwards: int = 0
-    tail_skipped_tokens: int = 0
-    forward_s: float = 0.0
-    schedule_s: float = 0.0
-    #: admissions served by bounded replay, and the window tokens their replays recomputed
-    replayed_hits: int = 0
-    replayed_tokens: int = 0
-    #: finished results flagged ``approximate``
-    approximate_results: int = 0
-
-
-@dataclass
-class _Seq:
-    result: GenerationResult
-    params: SamplingParams
-    sampler: Sampler
-    request: Request | None = None
-    admitted_at: int = 0
-    #: next position of the admission's pending window rebuild (``None``: nothing to replay)
-    replay_at: int | None = None
-    #: (cache request, main hidden state at its last computed position): MTP drafts only
-    hidden: tuple[Request, torch.Tensor] | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        """Prompt and output so far: a new list (O(length)); `num_tokens` counts them."""
-        return self.result.prompt + self.result.output
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.result.prompt) + len(self.result.output)
-
-    def token_slice(self, lo: int, hi: int) -> list[int]:
-        """``tokens[lo:hi]`` without building the whole list."""
-        prompt, n = self.result.prompt, len(self.result.prompt)
-        if hi <= n:
-            return prompt[lo:hi]
-        return prompt[lo:n] + self.result.output[max(lo - n, 0) : hi - n]
-
-    @property
-    def req(self) -> Request:
-        """The live cache request (only while running)."""
-        assert self.request is not None, "request is not running"
-        return self.request
-
-    @property
-    def decoding(self) -> bool:
-        return self.request is not None and len(self.request.prompt_remaining) == 0
 
 
 class Runner:

@@ -17,22 +17,21 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from shadowradix import CacheConfig
+from shadowradix import CacheConfig, ReadPlan, ShadowRadixCache
 from shadowradix.request import Request
 
 from .graph_verify import GraphVerifier
-from .model_config import VOCAB_SIZE
+from .model_config import VOCAB_SIZE, ModelConfig
 from .mtp import MTPDrafter
 from .pools import KVPools
+from .runner_stats import RunnerStats
+from .sequence import GenerationResult, _Seq
 from .weights import ModelWeights
-
-if TYPE_CHECKING:
-    from .runner import GenerationResult, Runner, _Seq
 
 
 class DraftError(ValueError):
@@ -194,10 +193,43 @@ def cut_emission(tokens: list[int], room: int, stop_token: int | None) -> list[i
     return tokens
 
 
+class VerifyHost(Protocol):
+    """What `SpeculativeDecoder` reads and calls on the runner that holds it (`Runner` is one):
+    its model, cache, pools and counters, and its verbs to extend (preempting others until the
+    draft fits), run one forward, emit a token and read a request's MTP hidden state."""
+
+    model: ModelConfig
+    cache: ShadowRadixCache
+    weights: ModelWeights
+    pools: KVPools
+    device: torch.device
+    max_running: int
+    stats: RunnerStats
+    #: every row's main hidden state of the last paged forward (MTP drafts only)
+    _step_hidden: torch.Tensor | None
+
+    def _hidden_of(self, seq: _Seq, start: int | None = None) -> torch.Tensor: ...
+
+    def _extend(self, seqs: list[_Seq], chunks: list[list[int]], draft: bool = False): ...
+
+    def _forward(
+        self,
+        seqs: list[_Seq],
+        chunks: list[list[int]],
+        alloc,
+        rows: list[int],
+        plans: list[ReadPlan] | None = None,
+    ): ...
+
+    def _emit(self, seq: _Seq, token: int) -> list[GenerationResult]: ...
+
+
 class SpeculativeDecoder:
     """The runner's decode phase under speculation (``Runner(speculative_tokens=k)``)."""
 
-    def __init__(self, runner: Runner, num_tokens: int, draft: DraftSource, graph: bool) -> None:
+    def __init__(
+        self, runner: VerifyHost, num_tokens: int, draft: DraftSource, graph: bool
+    ) -> None:
         self.num_tokens, self.draft = num_tokens, draft
         self.stats = SpecStats()
         self.verifier = None
@@ -219,7 +251,7 @@ class SpeculativeDecoder:
             )
         )
 
-    def _propose(self, runner: Runner, seqs: list[_Seq]) -> list[list[int]]:
+    def _propose(self, runner: VerifyHost, seqs: list[_Seq]) -> list[list[int]]:
         t0 = time.perf_counter()
         hidden = None
         if self.draft.uses_mtp:
@@ -246,7 +278,7 @@ class SpeculativeDecoder:
             if any(type(t) is not int or not 0 <= t < vocab for t in d):
                 raise DraftError(f"draft tokens must be ints in [0, {vocab}), got {d!r:.80}")
 
-    def decode(self, runner: Runner, seqs: list[_Seq]) -> list[GenerationResult]:
+    def decode(self, runner: VerifyHost, seqs: list[_Seq]) -> list[GenerationResult]:
         """One verify step for ``seqs`` (each with exactly one pending token)."""
         drafts = self._propose(runner, seqs)
         chunks = [[s.result.output[-1]] + d for s, d in zip(seqs, drafts)]
@@ -264,7 +296,7 @@ class SpeculativeDecoder:
             assert s.request is None or s.request.length == len(s.tokens) - 1
         return done
 
-    def _settle(self, runner: Runner, seqs, chunks, logits, hidden) -> list[list[int]]:
+    def _settle(self, runner: VerifyHost, seqs, chunks, logits, hidden) -> list[list[int]]:
         """Accepts, cuts at max_new_tokens / stop tokens, rolls back the rest (in reverse batch
         order: a full rejection restores the free stacks exactly) and keeps the hidden state
         of each request's last kept row. Returns the tokens to emit per request."""
@@ -285,7 +317,7 @@ class SpeculativeDecoder:
         self._count(seqs, emitted, accepted)
         return emitted
 
-    def _verify(self, runner: Runner, seqs: list[_Seq], chunks: list[list[int]], alloc):
+    def _verify(self, runner: VerifyHost, seqs: list[_Seq], chunks: list[list[int]], alloc):
         """Logits ``(B*T, V)`` of every row, and the rows' hidden states when MTP is kept."""
         if self.verifier is None:
             rows = list(range(sum(len(c) for c in chunks)))  # every row: all verified

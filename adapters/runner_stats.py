@@ -1,0 +1,26 @@
+"""The runner's counters (`RunnerStats`), read by callers and bumped by the runner's roles and
+by speculative decoding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RunnerStats:
+    """Counters. Tail-only: ``tail_only_forwards`` prefill forwards skipped some tokens past
+    the last KV-source layer, ``tail_skipped_tokens`` of them in all."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    tail_only_forwards: int = 0
+    tail_skipped_tokens: int = 0
+    forward_s: float = 0.0
+    schedule_s: float = 0.0
+    #: admissions served by bounded replay, and the window tokens their replays recomputed
+    replayed_hits: int = 0
+    replayed_tokens: int = 0
+    #: finished results flagged ``approximate``
+    approximate_results: int = 0
