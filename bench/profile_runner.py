@@ -79,7 +79,10 @@ def main() -> int:
     ap.add_argument("--out", default="profile")
     ap.add_argument("--model", default="flash-shaped")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--kv-format", default="bf16", choices=("bf16", "fp8"),
+                    help="format of the window KV and the indexer keys")  # fmt: skip
     args = ap.parse_args()
+    fmt = CacheFormat[args.kv_format.upper()]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(run_meta(), flush=True)
@@ -88,10 +91,10 @@ def main() -> int:
         model, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     )
     data = corpus(None, args.context + 64 * (args.batch + 1))
-    warm = make_runner(model, weights, 4096, 0, 8, args.chunk, CacheFormat.BF16)
+    warm = make_runner(model, weights, 4096, 0, 8, args.chunk, fmt)
     warm.generate([[ByteTokenizer.bos] + list(data[:4095])], SamplingParams(max_new_tokens=8))
     del warm
-    runner = make_runner(model, weights, args.context, args.batch, 64, args.chunk, CacheFormat.BF16)
+    runner = make_runner(model, weights, args.context, args.batch, 64, args.chunk, fmt)
     prompt = [ByteTokenizer.bos] + list(data[: args.context - 1])
     first = 2 if args.batch else 64  # with --batch the prompt is only the shared prefix
     runner.submit(prompt, SamplingParams(max_new_tokens=first))
