@@ -3,10 +3,11 @@
 The interpreter must be on (``TRITON_INTERPRET=1``) before Triton is first imported and before
 the ``@triton.jit`` decorators run. On a machine without CUDA where Triton is not imported yet
 (or was imported interpreted), `load_interpreted` sets the variable, imports Triton, loads
-private copies of the named kernel modules and restores the variable (so the kernel lines count
-for coverage). Otherwise (a CUDA machine, or Triton already imported for real) `run_check` runs
-every check of the test module in one child process with the interpreter on. Without Triton the
-checks are skipped (`NO_TRITON`).
+private copies of the named kernel modules (and of every kernel module they import: a kernel
+split over several files runs interpreted as a whole) and restores the variable (so the kernel
+lines count for coverage). Otherwise (a CUDA machine, or Triton already imported for real)
+`run_check` runs every check of the test module in one child process with the interpreter on.
+Without Triton the checks are skipped (`NO_TRITON`).
 
 A test module lists its checks (functions taking the interpreted modules) and runs each one
 through ``run_check(mods, check, checks, __file__)`` with ``mods = interpreted_modules(names)``
@@ -15,6 +16,7 @@ from a module-scoped fixture.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import importlib.util
@@ -62,7 +64,10 @@ def interpreting() -> Iterator[None]:
 
 def load_interpreted(names: tuple[str, ...]) -> tuple[types.ModuleType, ...]:
     """Private copies of ``adapters/kernels/<name>.py``, loaded with the interpreter on (Triton
-    too, if it was not imported yet), named ``adapters.kernels._interpreted_<name>``."""
+    too, if it was not imported yet), named ``adapters.kernels._interpreted_<name>``. The kernel
+    modules they import relatively (`kernel_imports`) get private copies first, one per name,
+    which stand under their real names in `sys.modules` only while the copies load; what was
+    there before is put back."""
     with interpreting():
         import triton  # noqa: F401
 
@@ -70,16 +75,66 @@ def load_interpreted(names: tuple[str, ...]) -> tuple[types.ModuleType, ...]:
             import triton.experimental.gluon  # noqa: F401
         except ImportError:  # pragma: no cover - older Triton
             pass
-        mods = []
-        for name in names:
-            spec = importlib.util.spec_from_file_location(
-                f"adapters.kernels._interpreted_{name}", KERNEL_DIR / f"{name}.py"
-            )
-            assert spec is not None and spec.loader is not None
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-            mods.append(mod)
-        return tuple(mods)
+        loaded: dict[str, types.ModuleType] = {}
+        saved: dict[str, types.ModuleType | None] = {}
+        try:
+            return tuple(_load_private(name, loaded, saved) for name in names)
+        finally:
+            for real, before in saved.items():
+                if before is None:
+                    sys.modules.pop(real, None)
+                else:
+                    sys.modules[real] = before
+
+
+def _load_private(
+    name: str, loaded: dict[str, types.ModuleType], saved: dict[str, types.ModuleType | None]
+) -> types.ModuleType:
+    """The private copy of kernel module ``name``, after those of the kernel modules it
+    imports, each put in `sys.modules` under its real name (what stood there kept in
+    ``saved``)."""
+    if name in loaded:
+        return loaded[name]
+    for dep in kernel_imports(name):
+        mod = _load_private(dep, loaded, saved)
+        real = f"adapters.kernels.{dep}"
+        saved.setdefault(real, sys.modules.get(real))
+        sys.modules[real] = mod
+    spec = importlib.util.spec_from_file_location(
+        f"adapters.kernels._interpreted_{name}", KERNEL_DIR / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    loaded[name] = mod
+    return mod
+
+
+@functools.cache
+def kernel_imports(name: str) -> tuple[str, ...]:
+    """The modules of ``adapters/kernels`` that ``<name>.py`` imports relatively (``from .x
+    import ...``) and that define ``@triton.jit`` functions: they must run interpreted too."""
+    tree = ast.parse((KERNEL_DIR / f"{name}.py").read_text(encoding="utf-8"))
+    deps = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            dep = node.module.split(".")[0]
+            if (KERNEL_DIR / f"{dep}.py").is_file() and _defines_kernels(dep):
+                deps.append(dep)
+    return tuple(dict.fromkeys(deps))
+
+
+@functools.cache
+def _defines_kernels(name: str) -> bool:
+    """Whether ``adapters/kernels/<name>.py`` decorates a function with ``triton.jit``."""
+    tree = ast.parse((KERNEL_DIR / f"{name}.py").read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            for dec in node.decorator_list:
+                target = dec.func if isinstance(dec, ast.Call) else dec
+                if ast.unparse(target) == "triton.jit":
+                    return True
+    return False
 
 
 def interpreted_modules(names: tuple[str, ...]) -> tuple[types.ModuleType, ...] | None:
