@@ -20,6 +20,7 @@ import torch
 
 from shadowradix import CacheConfig
 
+from . import kernels
 from .formats import CacheFormat, RowLayout, bytes_per_row, write_rows
 from .model_config import ModelConfig
 
@@ -178,7 +179,13 @@ class KVPools:
         when ``pool`` is kept in a quantised format."""
         for values, scales, fmt in self._scales:
             if values is pool:
-                write_rows(pool, scales, slots, rows.to(self.state_dtype), fmt)
+                rows = rows.to(self.state_dtype)
+                if _fused_fp8(fmt, pool, slots, rows):  # pragma: no cover - needs a GPU
+                    from .kernels.quantize import fp8_store
+
+                    fp8_store(pool, scales, slots, rows)
+                else:
+                    write_rows(pool, scales, slots, rows, fmt)
                 return
         pool[slots] = rows.to(pool.dtype)
 
@@ -209,3 +216,15 @@ class KVPools:
             index=size(list(self.index_keys.values())),
             rings=size(list(self.ring.values()) + list(self.index_ring.values())),
         )
+
+
+def _fused_fp8(fmt: CacheFormat, pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor):
+    """FP8 rows of a CUDA pool go through one fused launch (`kernels.quantize`), the same bytes
+    as `write_rows`; ``kernels.QUANTIZE_KERNEL = False`` keeps the torch chain."""
+    return (
+        fmt is CacheFormat.FP8
+        and kernels.QUANTIZE_KERNEL
+        and kernels.use_triton(pool)
+        and slots.dim() == 1
+        and rows.dim() == 2
+    )

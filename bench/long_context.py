@@ -139,16 +139,16 @@ def batch_point(runner: Runner, prompt: list[int], data: bytes, batch: int, new:
                 batch_decode_steps=len(times))  # fmt: skip
 
 
-def point(args, model, weights, data: bytes, context: int) -> dict:
+def point(args, model, weights, data: bytes, context: int, kv_format: str) -> dict:
     prompt = [ByteTokenizer.bos] + list(data[: context - 1])  # the tokenizer's bytes
     cuda = weights.device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    fmt = CacheFormat[args.kv_format.upper()]
+    fmt = CacheFormat[kv_format.upper()]
     runner = make_runner(model, weights, context, args.batch, args.new_tokens, args.chunk, fmt)
     digest = hashlib.sha256(bytes(t for t in prompt if t < 256)).hexdigest()[:16]
-    row: dict[str, object] = dict(kv_format=args.kv_format, context=len(prompt), sha256=digest)
+    row: dict[str, object] = dict(kv_format=kv_format, context=len(prompt), sha256=digest)
     if args.warm:  # a different prompt of the same length first, through a runner of the same
         # pools (Triton specialises on their sizes): the kernels it compiles stay compiled
         other = [ByteTokenizer.bos] + list(data[context : 2 * context - 1])
@@ -172,6 +172,39 @@ def point(args, model, weights, data: bytes, context: int) -> dict:
     return row
 
 
+def _row(args, model, weights, data, context: int, kv_format: str, path: str) -> dict:
+    try:
+        return dict(path=path, **point(args, model, weights, data, context, kv_format))
+    except torch.OutOfMemoryError as exc:
+        return dict(path=path, kv_format=kv_format, context=context,
+                    error=f"OutOfMemoryError: {exc}"[:300])  # fmt: skip
+
+
+def _ratios(rows: list[dict], shortest: int) -> None:
+    """Each row against the shortest length's row of its path and format (decode, batch), and
+    an fp8 row against the bf16 row of its length and path (``fp8_over_bf16``)."""
+    ok = [r for r in rows if "error" not in r]
+    first = {(r["path"], r["kv_format"]): r for r in ok if r["context"] == shortest}
+    bf16 = {(r["path"], r["context"]): r for r in ok if r["kv_format"] == "bf16"}
+    for r in ok:
+        base = first.get((r["path"], r["kv_format"]))
+        for key, ratio in (("decode_tokens_per_s", "decode_ratio_to_first"),
+                           ("batch_decode_tokens_per_s", "batch_ratio_to_first")):  # fmt: skip
+            if base and r.get(key) and base.get(key):
+                r[ratio] = r[key] / base[key]
+        other = bf16.get((r["path"], r["context"]))
+        if r["kv_format"] == "fp8" and other:
+            r["fp8_over_bf16"] = {
+                k: r[k] / other[k]
+                for k in (
+                    "decode_tokens_per_s",
+                    "batch_decode_tokens_per_s",
+                    "prefill_tokens_per_s",
+                )
+                if r.get(k) and other.get(k)
+            }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="4096,32768,131072")
@@ -188,8 +221,12 @@ def main() -> int:
         help="prefill a different prompt of each length first (an engine warmed up at start): "
         "TTFT without kernel compiles; its own TTFT is warmup_ttft_s",
     )
-    ap.add_argument("--kv-format", default="bf16", choices=("bf16", "fp8"),
-                    help="format of the window KV and the indexer keys")  # fmt: skip
+    ap.add_argument(
+        "--kv-format",
+        default="bf16",
+        help="format of the window KV and the indexer keys: bf16, fp8, or bf16,fp8 (side by "
+        "side at every length; fp8_over_bf16 in each fp8 row)",
+    )
     ap.add_argument("--device", default="cuda", help="cuda (bf16) or cpu (fp32, a smoke run)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -205,24 +242,16 @@ def main() -> int:
     out = dict(meta=run_meta(), rows=[])
     print(json.dumps(out["meta"]), flush=True)
     paths = ["kernels", "torch"] if args.paths == "both" else [args.paths]
+    formats = args.kv_format.split(",")
+    if any(f not in ("bf16", "fp8") for f in formats):
+        raise SystemExit(f"--kv-format: bf16, fp8 or bf16,fp8, not {args.kv_format!r}")
     for context in contexts:
         for path in paths:
-            kernels.SPARSE_KERNELS = path == "kernels"
-            try:
-                row = dict(path=path, **point(args, model, weights, data, context))
-            except torch.OutOfMemoryError as exc:
-                row = dict(path=path, context=context, error=f"OutOfMemoryError: {exc}"[:300])
-            out["rows"].append(row)
-            print(json.dumps(row), flush=True)
-    first = {r["path"]: r for r in out["rows"] if "error" not in r and r["context"] == contexts[0]}
-    for r in out["rows"]:
-        base = first.get(r["path"])
-        if base and "error" not in r:
-            r["decode_ratio_to_first"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-            if "batch_decode_tokens_per_s" in r:
-                r["batch_ratio_to_first"] = (
-                    r["batch_decode_tokens_per_s"] / base["batch_decode_tokens_per_s"]
-                )
+            for kv_format in formats:
+                kernels.SPARSE_KERNELS = path == "kernels"
+                out["rows"].append(_row(args, model, weights, data, context, kv_format, path))
+                print(json.dumps(out["rows"][-1]), flush=True)
+    _ratios(out["rows"], contexts[0])
     if args.watch:
         print(args.watch.summary(), flush=True)
     if args.json:

@@ -44,6 +44,29 @@ def test_long_context_bench_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert "warmup_ttft_s" not in rows[0]
 
 
+def test_long_context_bench_compares_formats_side_by_side(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "formats.json"
+    argv = ["--device", "cpu", "--model", "tiny", "--contexts", "200,300", "--kv-format",
+            "bf16,fp8", "--new-tokens", "4", "--chunk", "128", "--json", str(out)]  # fmt: skip
+    assert _main(monkeypatch, *argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["context"], r["kv_format"]) for r in rows] == [
+        (200, "bf16"), (200, "fp8"), (300, "bf16"), (300, "fp8")
+    ]  # fmt: skip
+    by = {(r["context"], r["kv_format"]): r for r in rows}
+    for c in (200, 300):
+        ratio = by[c, "fp8"]["fp8_over_bf16"]["decode_tokens_per_s"]
+        assert ratio == by[c, "fp8"]["decode_tokens_per_s"] / by[c, "bf16"]["decode_tokens_per_s"]
+    assert by[300, "fp8"]["decode_ratio_to_first"] == (
+        by[300, "fp8"]["decode_tokens_per_s"] / by[200, "fp8"]["decode_tokens_per_s"]
+    )
+    assert "fp8_over_bf16" not in by[200, "bf16"]
+    with pytest.raises(SystemExit, match="bf16, fp8"):
+        _main(monkeypatch, "--device", "cpu", "--kv-format", "fp4")
+
+
 def test_long_context_bench_warm_prefills_another_prompt_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

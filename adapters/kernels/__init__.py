@@ -7,6 +7,8 @@
   in place through a `PoolRows` table, no ``(N, H, G)`` intermediate).
 * `sparse_attention`: one attention over a query's window, its extra rows (C4 selection or every
   C128 entry, through a `PoolRows` table) and the sink.
+* `quantize.fp8_store`: FP8 (e4m3) pool rows quantised and stored in one launch (``pools.store``
+  on CUDA, `QUANTIZE_KERNEL`).
 
 CUDA tensors go to the Triton kernels (`.compressor`, `.topk`) when Triton is installed; anything
 else goes to the PyTorch references (`.reference`), which define the results. Triton is imported
@@ -59,6 +61,10 @@ SPARSE_KERNELS = True
 #: Route the mHC merge and Sinkhorn (`adapters.ops.hc_merge`, `adapters.ops.sinkhorn`) on CUDA
 #: to `kernels.hc`; ``ADAPTERS_HC_KERNELS=0`` (or False at run time) keeps the torch references.
 HC_KERNELS = os.environ.get("ADAPTERS_HC_KERNELS", "1") != "0"
+
+#: Store FP8 pool rows on CUDA with the fused quantiser (`kernels.quantize.fp8_store`);
+#: False keeps `formats.write_rows`' torch chain (the same bytes: benchmarks time both).
+QUANTIZE_KERNEL = True
 
 
 class _Package(types.ModuleType):
