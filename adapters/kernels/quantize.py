@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-_RINT = 12582912.0  # 1.5 * 2**23: fp32 addition rounds |t| < 2**22 to an integer, ties to even
+#: 1.5 * 2**23: fp32 addition rounds |t| < 2**22 to an integer, ties to even
+_RINT = tl.constexpr(12582912.0)
 
 
 @triton.jit
