@@ -7,7 +7,8 @@ Bit for bit `formats.quantize` (its rounding defines the result):
 
 * the row's scale is the smallest power of two ``2**k`` with ``amax <= 448 * 2**k``, ``k`` in
   ``[-126, 127]``, 1 for an all-zero row, NaN for a row with a non-finite value;
-* each value ``v = x / scale`` (exact) rounds to nearest, ties to even, onto the e4m3 grid:
+* each value ``v = x / scale`` (exact: a product with ``2**-k``; Triton's fp32 division is
+  approximate, so the kernel never divides) rounds to nearest, ties to even, onto the e4m3 grid:
   step ``2**(max(floor(log2 |v|), -6) - 3)``; the integer rounding is the fp32 ``1.5 * 2**23``
   trick (exact for the ``|v / step| < 16`` here);
 * the e4m3 byte is built from the rounded value's fp32 bits (sign, exponent + 7, top three
@@ -42,13 +43,16 @@ def _fp8_store_kernel(x_ptr, slot_ptr, val_ptr, scale_ptr, D, stride_x, stride_v
     k = tl.where(amax == 0, 0, tl.maximum(k, -126))
     # tl.max may drop NaNs (the GPU's max does): look for them explicitly
     finite = (amax < float("inf")) & (tl.sum((x != x).to(tl.int32), axis=0) == 0)
-    scale = tl.where(finite, ((tl.minimum(k, 127) + 127) << 23).to(tl.float32, bitcast=True),
-                     float("nan"))  # fmt: skip
-    v = tl.where(finite, x / scale, 0.0)  # a non-finite row: codes 0, its scale carries the NaN
+    k = tl.minimum(k, 127)
+    scale = tl.where(finite, ((k + 127) << 23).to(tl.float32, bitcast=True), float("nan"))
+    # products with exact powers of two, never a division (Triton's fp32 division is approximate)
+    inv_scale = ((127 - k) << 23).to(tl.float32, bitcast=True)
+    v = tl.where(finite, x * inv_scale, 0.0)  # a non-finite row: codes 0, the NaN in its scale
     vbits = v.to(tl.int32, bitcast=True)
-    e = tl.maximum(((vbits >> 23) & 0xFF) - 127, -6)
-    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    r = ((v / step + _RINT) - _RINT) * step
+    e = tl.maximum(((vbits >> 23) & 0xFF) - 127, -6) - 3  # the grid step is 2**e
+    step = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    r = ((v * inv_step + _RINT) - _RINT) * step
     rbits = r.to(tl.int32, bitcast=True)
     mag = tl.abs(r)
     normal = (((rbits >> 23) & 0xFF) - 127 + 7) * 8 + ((rbits >> 20) & 7)
