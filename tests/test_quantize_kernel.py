@@ -36,6 +36,8 @@ def _rows(n: int, d: int, seed: int) -> torch.Tensor:
     x[3] = 448.0 * 2.0**-12 * torch.arange(d) / d  # tiny values: e4m3 subnormals after scaling
     # grid ties: midpoints between neighbouring e4m3 values at one scale
     x[4] = (torch.arange(d) % 16 + 8.5) * 2.0 ** (torch.arange(d) % 9 - 9).float()
+    x[5, 1:] = -(2.0 ** -torch.arange(12.0, 12.0 + d - 1) / 3)  # negatives rounding to -0
+    x[5, 0] = 448.0
     return x
 
 
@@ -44,7 +46,7 @@ def _bytes(values: torch.Tensor) -> torch.Tensor:
 
 
 def check_same_bytes_as_write_rows(q):
-    for d, n in ((128, 9), (40, 6), (512, 5)):
+    for d, n in ((128, 9), (40, 6), (512, 6)):
         x = _rows(n, d, seed=d)
         (va, sa), (vb, sb) = _pools(2 * n, d)
         slots = torch.randperm(2 * n)[:n]

@@ -11,9 +11,10 @@ Bit for bit `formats.quantize` (its rounding defines the result):
   approximate, so the kernel never divides) rounds to nearest, ties to even, onto the e4m3 grid:
   step ``2**(max(floor(log2 |v|), -6) - 3)``; the integer rounding is the fp32 ``1.5 * 2**23``
   trick (exact for the ``|v / step| < 16`` here);
-* the e4m3 byte is built from the rounded value's fp32 bits (sign, exponent + 7, top three
-  mantissa bits; below ``2**-6`` the subnormal ``|r| * 512``), stored through a uint8 view of
-  the pool, so no float8 cast is involved (the interpreter has none to trust).
+* the e4m3 byte is built from the rounded value's fp32 bits (exponent + 7, top three mantissa
+  bits; below ``2**-6`` the subnormal ``|r| * 512``) and ``v``'s sign (a negative value that
+  rounds to zero is -0, as in torch), stored through a uint8 view of the pool, so no float8
+  cast is involved (the interpreter has none to trust).
 
 Importing this module imports Triton; `adapters.kernels` imports it only for a CUDA tensor (or
 a test under ``TRITON_INTERPRET=1``).
@@ -57,7 +58,7 @@ def _fp8_store_kernel(x_ptr, slot_ptr, val_ptr, scale_ptr, D, stride_x, stride_v
     mag = tl.abs(r)
     normal = (((rbits >> 23) & 0xFF) - 127 + 7) * 8 + ((rbits >> 20) & 7)
     code = tl.where(mag >= 0.015625, normal, (mag * 512.0).to(tl.int32))
-    code = code | tl.where(rbits < 0, 0x80, 0)
+    code = code | tl.where(vbits < 0, 0x80, 0)  # v's sign: a negative v rounding to 0 is -0
     slot = tl.load(slot_ptr + row).to(tl.int64)
     tl.store(val_ptr + slot * stride_v + d, code.to(tl.uint8), mask=ok)
     tl.store(scale_ptr + slot, scale)
