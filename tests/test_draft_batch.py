@@ -126,14 +126,26 @@ def test_full_rejection_in_reverse_order_restores_the_exact_snapshot(world) -> N
     assert snapshot(cache) == before
 
 
+#: the longest draft drawn: ``max_draft_len`` at page 16 (C4 and C8: ring 16, span 7); no
+#: bound at the smaller pages
+LONGEST = 9
+#: (tokens, accepted): a third the longest draft all rejected, a third the other corners (one
+#: token or the longest, none or all accepted), a third uniform
+DRAFTS = st.one_of(
+    st.just((LONGEST, 0)),
+    st.tuples(st.sampled_from([1, LONGEST]), st.sampled_from([0, LONGEST])),
+    st.tuples(st.integers(1, LONGEST), st.integers(0, LONGEST)),
+).flatmap(
+    lambda shape: st.tuples(
+        st.lists(st.integers(0, 4), min_size=shape[0], max_size=shape[0]), st.just(shape[1])
+    )
+)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
-    page=st.sampled_from([1, 2, 4, 8]),
-    drafts=st.lists(
-        st.tuples(st.lists(st.integers(0, 4), min_size=1, max_size=9), st.integers(0, 9)),
-        min_size=1,
-        max_size=3,
-    ),
+    page=st.sampled_from([1, 2, 4, 8, 16]),
+    drafts=st.lists(DRAFTS, min_size=1, max_size=3),
     rounds=st.integers(1, 3),
     order=st.permutations(range(3)),
 )
@@ -142,7 +154,10 @@ def test_partial_acceptance_equals_never_drafting_up_to_renaming(page, drafts, r
     oracle finds recomputation's value at every slot the batch wrote and every request reads,
     and the cache equals a twin that extended each request by its accepted tokens only, up to
     a renaming of page ids (exactly, for a batch of one)."""
-    cache = ShadowRadixCache(config(page=page, full_capacity=256, swa_capacity=128))
+    cache = ShadowRadixCache(
+        config(page=page, full_capacity=max(256, 32 * page), swa_capacity=max(128, 16 * page))
+    )
+    assert cache.config.max_draft_len == (LONGEST if page == 16 else None)
     twin = ShadowRadixCache(cache.config)
     oracle = FingerprintOracle(cache.config)
     prompts = [seq(5 + 7 * i, 10 + i) for i in range(len(drafts))]
