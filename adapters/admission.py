@@ -1,0 +1,139 @@
+"""Who runs, a role of `Runner`: a request's checks at submission, admission control (room
+for the whole request in both pools), preemption of the most recently admitted request when an
+extend runs out of pages, and how many tokens fit the HiSparse device buffer."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import numpy as np
+
+from shadowradix import CapacityError, InvalidRequestError
+
+from .runner_base import RunnerBase
+from .sampling import SamplingParams
+from .sequence import _Seq
+
+
+def _token(t: object) -> int:
+    """An int token id; floats, strings and bools are refused, not coerced."""
+    if isinstance(t, (bool, np.bool_)):
+        raise TypeError(f"{t!r} is a bool")
+    return operator.index(t)  # type: ignore[arg-type]
+
+
+class UnsupportedRequestError(InvalidRequestError):
+    """The request asks for something the runner's mode cannot give: prompt logprobs under
+    tail-only prefill (the later layers never see most prompt positions)."""
+
+
+class Admission(RunnerBase):
+    """Submission checks, admission, preemption and the HiSparse fit of the runner."""
+
+    def _validate(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be SamplingParams")
+        if params.prompt_logprobs and self.tail_only:
+            raise UnsupportedRequestError(
+                "prompt_logprobs is not supported with tail-only prefill: the layers after the "
+                "last KV source compute only the last window of each chunk"
+            )
+        if self.spec is not None and params.temperature != 0:
+            raise InvalidRequestError(
+                "speculative decoding here is greedy only (no rejection sampling): "
+                "temperature must be 0"
+            )
+        if isinstance(prompt, (str, bytes)):
+            raise InvalidRequestError("prompt must be a sequence of token ids (encode text first)")
+        try:
+            tokens = [_token(t) for t in prompt]
+        except TypeError as exc:
+            raise InvalidRequestError(f"prompt must be a sequence of ints: {exc}") from None
+        if not tokens:
+            raise InvalidRequestError("empty prompt")
+        vocab = self.model.vocab_size
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise InvalidRequestError(f"prompt tokens must be in [0, {vocab})")
+        total = len(tokens) + params.max_new_tokens + self.spec_tokens
+        if total > self.cache.config.full_capacity:
+            raise InvalidRequestError(
+                f"prompt + max_new_tokens (+ {self.spec_tokens} draft tokens) = {total} tokens "
+                f"exceeds the full pool ({self.cache.config.full_capacity} tokens): "
+                "it could never run"
+            )
+        self.memory.check(total, 1 + self.spec_tokens)
+        return tokens
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_running:
+            seq = self._waiting[0]
+            if self._running and not self._fits(seq):
+                return
+            tokens = seq.tokens
+            keep = 0 if seq.params.prompt_logprobs else len(tokens) - 1  # leave one to compute
+            match = self.cache.match_prefix(tokens, max_len=keep)
+            # cannot raise CapacityError for a replayed window: `_fits` (or, with nothing
+            # running, an all-evictable SWA pool) leaves room for a window and a chunk
+            seq.request = self.cache.admit(tokens, match)
+            seq.result.cached_tokens = max(seq.result.cached_tokens, match.hit_len)
+            if match.hit_len and self.stats.tail_skipped_tokens:  # the prefix may hold holes
+                seq.result.approximate = True
+            seq.admitted_at = self._clock
+            if seq.request.replay_allocation is not None:
+                seq.replay_at = seq.request.replay_allocation.starts[0]
+                self.stats.replayed_hits += 1
+            self._running.append(self._waiting.popleft())
+
+    def _fits(self, seq: _Seq) -> bool:
+        """Admission control: room for the whole request in both pools right now."""
+        st, p = self.cache.stats(), self.cache.config.page_size
+        need = -(-(seq.num_tokens + seq.params.max_new_tokens + self.spec_tokens) // p)
+        full_room = st.full.free_pages + st.full.evictable_pages
+        swa_room = st.swa.free_pages + st.swa.evictable_pages
+        window_pages = -(-(self.cache.config.window + min(self.chunk_tokens, seq.num_tokens)) // p)
+        return need <= full_room and window_pages + 1 <= swa_room
+
+    def _preempt(self) -> bool:
+        """Requeues the most recently admitted running request; False if none can yield."""
+        if len(self._running) <= 1:
+            return False
+        victim = max(self._running, key=lambda s: s.admitted_at)
+        self._running.remove(victim)
+        assert victim.request is not None
+        self.cache.abort(victim.request)
+        victim.request = None
+        victim.replay_at = None
+        victim.result.preemptions += 1
+        self.stats.preemptions += 1
+        self._waiting.appendleft(victim)
+        return True
+
+    def _extend(self, seqs: list[_Seq], chunks: list[list[int]], draft: bool = False):
+        """``extend_batch`` (``extend_draft_batch`` for a ``draft``) that preempts other requests
+        until it fits. Returns the surviving (seqs, chunks) and the allocation, or raises
+        `CapacityError` if nothing can yield."""
+        while True:
+            live = [(s, c) for s, c in zip(seqs, chunks) if s.request is not None]
+            if not live:
+                return [], [], None
+            seqs, chunks = [s for s, _ in live], [c for _, c in live]
+            try:
+                extend = self.cache.extend_draft_batch if draft else self.cache.extend_batch
+                alloc = extend([s.req for s in seqs], chunks)
+                return seqs, chunks, alloc
+            except CapacityError:
+                if not self._preempt():
+                    raise
+
+    def _working_set(self, seq: _Seq, num_tokens: int) -> int:
+        """Upper bound of the C4 pages one request's ``num_tokens`` new queries read (HiSparse):
+        each reads top-k entries, and no request reads more pages than it has."""
+        pages = -(-(seq.req.length + num_tokens) // self.cache.config.page_size)
+        return min(num_tokens * self.model.index_topk, pages)
+
+    def _fit_tokens(self, seq: _Seq, wanted: int, pages_left: int) -> int:
+        """How many of ``wanted`` tokens fit in the HiSparse device buffer's remaining pages."""
+        if self.offload is None or self._working_set(seq, wanted) <= pages_left:
+            return wanted
+        return min(wanted, pages_left // self.model.index_topk)

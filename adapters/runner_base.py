@@ -1,0 +1,58 @@
+"""The fields of a `Runner`, declared once for the roles its class is made of (`admission`,
+`forward`, `emission`, `prefill`, `decode`): types only, every one set by `Runner.__init__`.
+Each role reads and updates them as the runner's own state; nothing here runs."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from shadowradix import ShadowRadixCache
+
+from .graph_decode import GraphDecoder
+from .memory_plan import PrefillBudget
+from .model_config import ModelConfig
+from .pools import KVPools
+from .runner_stats import RunnerStats
+from .sequence import GenerationResult, _Seq
+from .speculative import SpeculativeDecoder
+from .weights import ModelWeights
+
+if TYPE_CHECKING:
+    from .offload import C4Offload
+
+
+class RunnerBase:
+    """The runner's state (see `Runner` for what each knob means)."""
+
+    device: torch.device
+    model: ModelConfig
+    cache: ShadowRadixCache
+    pools: KVPools
+    weights: ModelWeights
+    #: the HiSparse host mirror and device buffer (None without HiSparse), and its pages
+    offload: C4Offload | None
+    _device_pages: int
+    #: graph decode (None: decode runs the paged path), speculation (None: plain decode)
+    decoder: GraphDecoder | None
+    spec: SpeculativeDecoder | None
+    spec_tokens: int
+    #: the MTP layer's state is kept in every forward (an MTP draft source)
+    _mtp: bool
+    tail_only: bool
+    chunk_tokens: int
+    max_running: int
+    memory: PrefillBudget
+    stats: RunnerStats
+    #: every row's main hidden state of the last paged forward (MTP drafts only)
+    _step_hidden: torch.Tensor | None
+    _waiting: deque[_Seq]
+    _running: list[_Seq]
+    _next_id: int
+    _unclaimed: list[GenerationResult]
+    #: steps taken (admission order, the HiSparse decode rotation)
+    _clock: int
+    on_logits: Callable[[list[GenerationResult], torch.Tensor], None] | None
