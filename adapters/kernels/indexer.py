@@ -27,10 +27,7 @@ Design, for bandwidth (decode) and tensor-core throughput (prefill):
   along d: applied before the dot), and meet q as bf16 keys would (grid values times powers
   of two are exact in bf16): one dot for bf16 q, split q parts otherwise; launch defaults
   `FP4_LAUNCH` (unmeasured).
-* FP8 keys with 16-bit q take one of several paths (`Fp8Mode`: where the FP8 tile is
-  converted, which dot operand it is, or fp8 x fp8 dots with q in two e4m3 parts), chosen by
-  `FP8_DECODE_MODE` / `FP8_PREFILL_MODE`; each has its launch defaults in `ONE_DOT_LAUNCH`
-  (the launch plans are pure Python: `indexer_plan`).
+* FP8 keys with 16-bit q take one of several paths (`Fp8Mode`), see `indexer_plan`.
 * Offsets are int64 (``slot * d`` and ``n * G`` may pass 2**31).
 
 Importing this module imports Triton and defines the kernel; `adapters.kernels` imports it only
@@ -46,9 +43,9 @@ import triton
 import triton.language as tl
 
 from .indexer_keys import _keys, _slots
+from .indexer_logits import _cols_out, _rows_out
 from .indexer_operands import _dot16, _fp8_q, _q_operands, _scaled_q
 from .indexer_plan import (
-    _PARTS,
     FP4_LAUNCH,
     FP8_DECODE_MODE,
     FP8_PREFILL_MODE,
@@ -58,6 +55,7 @@ from .indexer_plan import (
     DotPlan,
     Fp8Mode,
     Launch,
+    check_operands,
     dot_plan,
     fp8_mode_for,
     launch_config,
@@ -84,30 +82,6 @@ __all__ = [
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@triton.jit
-def _rows_out(s, sc, wv, g, lens, e_hi, n_ok, out_row, BQ: tl.constexpr, HP: tl.constexpr,
-              HAS_SCALE: tl.constexpr):  # fmt: skip
-    """Stores the logits of products ``s`` ``(BLOCK_E, BQ*HP)`` (keys on rows)."""
-    if HAS_SCALE:
-        s = s * sc[:, None]
-    s = tl.maximum(s, 0.0) * wv[None, :]
-    logit = tl.sum(tl.reshape(s, (s.shape[0], BQ, HP)), axis=2)  # (BLOCK_E, BQ)
-    logit = tl.where(g[:, None] < lens[None, :], logit, float("-inf"))
-    tl.store(out_row[None, :] + g[:, None], logit, mask=(g < e_hi)[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _cols_out(s, sc, wv, g, lens, e_hi, n_ok, out_row, BQ: tl.constexpr, HP: tl.constexpr,
-              HAS_SCALE: tl.constexpr):  # fmt: skip
-    """Stores the logits of products ``s`` ``(BQ*HP, BLOCK_E)`` (keys on columns)."""
-    if HAS_SCALE:
-        s = s * sc[None, :]
-    s = tl.maximum(s, 0.0) * wv[:, None]
-    logit = tl.sum(tl.reshape(s, (BQ, HP, s.shape[1])), axis=1)  # (BQ, BLOCK_E)
-    logit = tl.where(g[None, :] < lens[:, None], logit, float("-inf"))
-    tl.store(out_row[:, None] + g[None, :], logit, mask=(g < e_hi)[None, :] & n_ok[:, None])
 
 
 @triton.jit
@@ -323,27 +297,6 @@ def _index_kernel(
                       Q_PARTS, KEY_OPERAND, Q_FORMAT, False)  # fmt: skip
 
 
-def _check(q, w, keys, rows: PoolRows, key_scale) -> None:
-    fp4 = keys.dtype == FP4_DTYPE  # two channels a byte, one scale per 32 channels
-    d = q.shape[2] if q.dim() == 3 else -1
-    width = d // 2 if fp4 else d
-    if d < 0 or w.shape != q.shape[:2] or keys.dim() != 2 or keys.shape[1] != width:
-        raise ValueError(f"q {tuple(q.shape)}, w {tuple(w.shape)}, keys {tuple(keys.shape)}")
-    if q.dtype not in _PARTS or q.dtype in FP8_DTYPES + (FP4_DTYPE,) or keys.dtype not in _PARTS:
-        raise ValueError(
-            f"q {q.dtype} / keys {keys.dtype}: the kernel takes fp32/bf16/fp16 q and "
-            "fp32/bf16/fp16/float8_e4m3fn/FP4 (uint8) keys (fp64: index_logits_reference)"
-        )
-    if rows.num_queries != q.shape[0]:
-        raise ValueError(f"rows has {rows.num_queries} queries, q {q.shape[0]}")
-    if keys.dtype in FP8_DTYPES and (key_scale is None or key_scale.shape != keys.shape[:1]):
-        raise ValueError("FP8 keys need key_scale (one fp32 scale per pool row)")
-    if fp4 and (d % 32 or key_scale is None or key_scale.shape != (keys.shape[0], d // 32)):
-        raise ValueError("FP4 keys need d % 32 == 0 and key_scale (S, d // 32): one per 32")
-    if keys.stride(1) != 1:
-        raise ValueError("keys must be contiguous along d (the pool is read in place)")
-
-
 def flash_index_logits(
     q: torch.Tensor,
     w: torch.Tensor,
@@ -367,7 +320,7 @@ def flash_index_logits(
     Raises `ValueError` for inconsistent shapes, other dtypes (fp64 is the reference's), FP8
     or FP4 keys without (the right) scales, keys not contiguous along d, or an FP8 mode that
     does not apply."""
-    _check(q, w, keys, rows, key_scale)
+    check_operands(q, w, keys, rows, key_scale)
     n, h, d = q.shape
     g = rows.num_rows
     if out is None:

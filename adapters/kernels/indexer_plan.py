@@ -2,6 +2,10 @@
 queries (`DotPlan`), which FP8 path a launch takes (`Fp8Mode`) and its block sizes, warps and
 programs per SM (`launch_config`). Pure Python (no Triton): the launcher and the benchmarks
 read it, and tests check it without the interpreter.
+
+FP8 keys with 16-bit q take one of several paths (`Fp8Mode`: where the FP8 tile is converted,
+which dot operand it is, or fp8 x fp8 dots with q in two e4m3 parts), chosen by
+`FP8_DECODE_MODE` / `FP8_PREFILL_MODE`; each has its launch defaults in `ONE_DOT_LAUNCH`.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from .indexer_reference import FP4_DTYPE, FP8_DTYPES
+from .rows import PoolRows
 
 #: q dtypes that dot in their own 16 bits
 DOT_16 = (torch.bfloat16, torch.float16)
@@ -215,3 +220,25 @@ def launch_config(
     return dict(BLOCK_Q=bq, BLOCK_E=be, span=span, num_warps=num_warps or dft.num_warps,
                 num_stages=num_stages or dft.num_stages, maxnreg=maxnreg or dft.maxnreg,
                 fp8_mode=Fp8Mode(fp8_mode))  # fmt: skip
+
+
+def check_operands(q, w, keys, rows: PoolRows, key_scale) -> None:
+    """What `indexer.flash_index_logits` takes (its docstring lists the `ValueError` cases)."""
+    fp4 = keys.dtype == FP4_DTYPE  # two channels a byte, one scale per 32 channels
+    d = q.shape[2] if q.dim() == 3 else -1
+    width = d // 2 if fp4 else d
+    if d < 0 or w.shape != q.shape[:2] or keys.dim() != 2 or keys.shape[1] != width:
+        raise ValueError(f"q {tuple(q.shape)}, w {tuple(w.shape)}, keys {tuple(keys.shape)}")
+    if q.dtype not in _PARTS or q.dtype in FP8_DTYPES + (FP4_DTYPE,) or keys.dtype not in _PARTS:
+        raise ValueError(
+            f"q {q.dtype} / keys {keys.dtype}: the kernel takes fp32/bf16/fp16 q and "
+            "fp32/bf16/fp16/float8_e4m3fn/FP4 (uint8) keys (fp64: index_logits_reference)"
+        )
+    if rows.num_queries != q.shape[0]:
+        raise ValueError(f"rows has {rows.num_queries} queries, q {q.shape[0]}")
+    if keys.dtype in FP8_DTYPES and (key_scale is None or key_scale.shape != keys.shape[:1]):
+        raise ValueError("FP8 keys need key_scale (one fp32 scale per pool row)")
+    if fp4 and (d % 32 or key_scale is None or key_scale.shape != (keys.shape[0], d // 32)):
+        raise ValueError("FP4 keys need d % 32 == 0 and key_scale (S, d // 32): one per 32")
+    if keys.stride(1) != 1:
+        raise ValueError("keys must be contiguous along d (the pool is read in place)")
