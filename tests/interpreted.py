@@ -113,20 +113,27 @@ def _load_private(
 @functools.cache
 def kernel_imports(name: str) -> tuple[str, ...]:
     """The modules of ``adapters/kernels`` that ``<name>.py`` imports relatively (``from .x
-    import ...``) and that define ``@triton.jit`` functions: they must run interpreted too."""
-    tree = ast.parse((KERNEL_DIR / f"{name}.py").read_text(encoding="utf-8"))
-    deps = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-            dep = node.module.split(".")[0]
-            if (KERNEL_DIR / f"{dep}.py").is_file() and _defines_kernels(dep):
-                deps.append(dep)
+    import ...``) and that must run interpreted too: those that define ``@triton.jit``
+    functions or import such a module (a launcher holding a kernel)."""
+    deps = [dep for dep in _relative_imports(name) if _needs_interpreter(dep)]
     return tuple(dict.fromkeys(deps))
 
 
+def _relative_imports(name: str) -> list[str]:
+    tree = ast.parse((KERNEL_DIR / f"{name}.py").read_text(encoding="utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            dep = node.module.split(".")[0]
+            if (KERNEL_DIR / f"{dep}.py").is_file():
+                found.append(dep)
+    return found
+
+
 @functools.cache
-def _defines_kernels(name: str) -> bool:
-    """Whether ``adapters/kernels/<name>.py`` decorates a function with ``triton.jit``."""
+def _needs_interpreter(name: str) -> bool:
+    """Whether ``adapters/kernels/<name>.py`` decorates a function with ``triton.jit`` or
+    imports a kernel module that needs the interpreter."""
     tree = ast.parse((KERNEL_DIR / f"{name}.py").read_text(encoding="utf-8"))
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef):
@@ -134,7 +141,7 @@ def _defines_kernels(name: str) -> bool:
                 target = dec.func if isinstance(dec, ast.Call) else dec
                 if ast.unparse(target) == "triton.jit":
                     return True
-    return False
+    return bool(kernel_imports(name))
 
 
 def interpreted_modules(names: tuple[str, ...]) -> tuple[types.ModuleType, ...] | None:
