@@ -185,6 +185,15 @@ def _rows(pools, layer: int, rows) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
+#: (k, draft source): k is the longest (``MAX_K``) about half the time, so that the ci run also
+#: drafts the longest drafts with acceptance 0 (every token rejected), which uniform k never did
+#: there; the sources keep their weights (the guard below needs long accepted runs)
+DRAFTING = st.tuples(
+    st.one_of(st.just(MAX_K), st.integers(1, MAX_K)),
+    st.sampled_from([0.9, "mtp", 1.0, 0.5, 0.0]),
+)
+
+
 class SpeculativeMachine(RuleBasedStateMachine):
     verify_steps = 0
     compared = 0
@@ -201,16 +210,16 @@ class SpeculativeMachine(RuleBasedStateMachine):
 
     @initialize(
         page=st.sampled_from([1, 2, 4, 8]),
-        k=st.integers(1, MAX_K),
+        drafting=DRAFTING,
         chunk=st.sampled_from([3, 7, 16]),
         max_running=st.integers(1, 3),
         extra_full=st.integers(0, 24),
         extra_swa=st.integers(0, 24),
         graph=st.booleans(),
-        source=st.sampled_from([0.9, "mtp", 1.0, 0.5, 0.0]),
         seed=st.integers(0, 99),
     )
-    def setup(self, page, k, chunk, max_running, extra_full, extra_swa, graph, source, seed):
+    def setup(self, page, drafting, chunk, max_running, extra_full, extra_swa, graph, seed):
+        k, source = drafting
         full = -(-LONGEST // page) * page + extra_full // page * page
         step = max(chunk, k + 1)  # a prefill chunk or a verify step, plus the window
         swa = -(-(step + MODEL.window + 2 * page) // page) * page + extra_swa // page * page
