@@ -7,101 +7,165 @@ tiers so that the tail window of every branch goes last::
     node pages  [ tombstoned | tier 0 (head)         | tier 1 (tail window) | protected )
                              ^ live_from             ^ tail_from            ^ protect_from
 
-Keys are ``(last_access, id)`` / ``(tier, last_access, id)`` in ``SortedList``s, so a lookup,
-update or pop is O(log n); nothing is ever rebuilt wholesale.
+Keys are ``(last_access, id)`` / ``(tier, last_access, id)``; the oldest is the smallest. Each
+pool keeps its keys in a binary heap with lazy deletion: a node's current keys are
+``node.lru_keys``, and a heap entry that is not among them any more (the node was touched,
+locked, tombstoned or removed since) is stale and skipped when it reaches the top. So a key
+change costs one C-level ``heappush`` and nothing for the key it replaces, a lookup of the
+oldest pops the stale entries above it, and the heap is compacted when stale entries outnumber
+live ones (amortised O(1) per change; nothing is rebuilt per operation).
 """
 
 from __future__ import annotations
 
-from sortedcontainers import SortedList
+from heapq import heapify, heappop, heappush
 
 from .errors import require
 from .node import Node
+
+_NO_ACCT = (0, 0, 0, 0)
+#: compact a heap once it holds this many entries more than twice its live keys
+_SLACK = 1024
 
 
 class LruIndex:
     def __init__(self, page_size: int, window: int) -> None:
         self.page_size = page_size
         self.window = window
-        self.full = SortedList()
-        self.swa = SortedList()
+        #: heaps of ``(last_access, id)`` and ``(tier, last_access, id)``, stale entries included
+        self.full: list[tuple[int, ...]] = []
+        self.swa: list[tuple[int, ...]] = []
         self.nodes: dict[int, Node] = {}
         self.full_evictable = 0
         self.full_protected = 0
         self.swa_evictable = 0
         self.swa_protected = 0
-
-    def tail_from(self, node: Node) -> int:
-        """Local index of the first page that intersects the node's last `window` tokens."""
-        first = (node.end_page * self.page_size - self.window) // self.page_size - node.start_page
-        return min(max(first, 0), node.num_pages)
+        self._live_full = 0
+        self._live_swa = 0
 
     def tiers(self, node: Node) -> tuple[int, int, int]:
         """``(tier0_end, tier1_end, live_from)``: evictable SWA is ``[live_from, tier1_end)``."""
-        live_from = node.live_from
-        protect = max(node.protect_from(), live_from)
-        tail = min(max(self.tail_from(node), live_from), protect)
-        return tail, protect, live_from
+        nv = len(node.vpages)
+        live_from = nv - len(node.swa_pages)
+        protect = nv
+        if node.swa_locks:
+            protect = min(max(min(node.swa_locks) - node.start_page, live_from), nv)
+        start, p = node.start_page, self.page_size
+        first = ((start + nv) * p - self.window) // p - start
+        return min(max(first, live_from), protect), protect, live_from
 
     def update(self, node: Node) -> None:
         """Re-derive the node's keys and page counts after any change to it."""
         if node.parent is None:
             return
-        tail, protect, live_from = self.tiers(node)
-        n, live = node.num_pages, len(node.swa_pages)
-        full_e, full_p = (0, n) if node.full_lock_ref else (n, 0)
+        # `tiers`, inlined: this runs on every touch, lock change, insert and eviction
+        nv, start = len(node.vpages), node.start_page
+        live_from = nv - len(node.swa_pages)
+        protect = nv
+        if node.swa_locks:
+            protect = min(max(min(node.swa_locks) - start, live_from), nv)
+        p = self.page_size
+        tail = min(max(((start + nv) * p - self.window) // p - start, live_from), protect)
+        locked = node.full_lock_ref
         swa_e = protect - live_from
-        acct = (full_e, full_p, swa_e, live - swa_e)
-        keys: list[tuple[int, ...]] = []
-        if not node.full_lock_ref and not node.children:
-            keys.append((node.last_access, node.id))
+        acct = (0, nv, swa_e, nv - protect) if locked else (nv, 0, swa_e, nv - protect)
+        stamp, nid = node.last_access, node.id
         if tail > live_from:
-            keys.append((0, node.last_access, node.id))
-        if protect > tail:
-            keys.append((1, node.last_access, node.id))
-        new_keys = tuple(keys)
-        if new_keys == node.lru_keys and acct == node.acct and node.id in self.nodes:
+            keys: tuple[tuple[int, ...], ...] = (
+                ((0, stamp, nid), (1, stamp, nid)) if protect > tail else ((0, stamp, nid),)
+            )
+        else:
+            keys = ((1, stamp, nid),) if protect > tail else ()
+        if not locked and not node.children:
+            keys = ((stamp, nid), *keys)
+        old, old_acct = node.lru_keys, node.acct
+        if keys == old and acct == old_acct and nid in self.nodes:
             return
-        self.remove(node)
-        self.nodes[node.id] = node
-        for key in new_keys:
-            (self.full if len(key) == 2 else self.swa).add(key)
-        node.lru_keys, node.acct = new_keys, acct
-        self._add_acct(acct, 1)
+        self.nodes[nid] = node
+        node.lru_keys, node.acct = keys, acct
+        self.full_evictable += acct[0] - old_acct[0]
+        self.full_protected += acct[1] - old_acct[1]
+        self.swa_evictable += acct[2] - old_acct[2]
+        self.swa_protected += acct[3] - old_acct[3]
+        for key in old:
+            if len(key) == 2:
+                self._live_full -= 1
+            else:
+                self._live_swa -= 1
+        for key in keys:
+            heap = self.full if len(key) == 2 else self.swa
+            if heap is self.full:
+                self._live_full += 1
+            else:
+                self._live_swa += 1
+            if key not in old:
+                heappush(heap, key)
+                if len(heap) > 2 * (self._live_full + self._live_swa) + _SLACK:
+                    self._compact(heap)
 
     def remove(self, node: Node) -> None:
+        """Stop tracking ``node`` (its heap entries go stale)."""
         for key in node.lru_keys:
-            (self.full if len(key) == 2 else self.swa).remove(key)
+            if len(key) == 2:
+                self._live_full -= 1
+            else:
+                self._live_swa -= 1
         node.lru_keys = ()
-        self._add_acct(node.acct, -1)
-        node.acct = (0, 0, 0, 0)
+        a = node.acct
+        self.full_evictable -= a[0]
+        self.full_protected -= a[1]
+        self.swa_evictable -= a[2]
+        self.swa_protected -= a[3]
+        node.acct = _NO_ACCT
         self.nodes.pop(node.id, None)
 
-    def _add_acct(self, acct: tuple[int, int, int, int], sign: int) -> None:
-        self.full_evictable += sign * acct[0]
-        self.full_protected += sign * acct[1]
-        self.swa_evictable += sign * acct[2]
-        self.swa_protected += sign * acct[3]
+    def _is_live(self, key: tuple[int, ...]) -> bool:
+        node = self.nodes.get(key[-1])
+        return node is not None and key in node.lru_keys
+
+    def _oldest(self, heap: list[tuple[int, ...]]) -> Node | None:
+        while heap:
+            key = heap[0]
+            node = self.nodes.get(key[-1])
+            if node is not None and key in node.lru_keys:
+                return node
+            heappop(heap)
+        return None
 
     def oldest_full_leaf(self) -> Node | None:
-        return self.nodes[self.full[0][1]] if self.full else None
+        return self._oldest(self.full)
 
     def oldest_swa(self) -> Node | None:
-        return self.nodes[self.swa[0][2]] if self.swa else None
+        return self._oldest(self.swa)
+
+    def _compact(self, heap: list[tuple[int, ...]]) -> None:
+        """Drop the stale entries (and duplicates) of ``heap``."""
+        heap[:] = set(filter(self._is_live, heap))
+        heapify(heap)
+
+    def live_keys(self) -> tuple[set[tuple[int, ...]], set[tuple[int, ...]]]:
+        """The current (full, SWA) keys, stale heap entries left out."""
+        return set(filter(self._is_live, self.full)), set(filter(self._is_live, self.swa))
 
     def check_invariants(self, nodes: list[Node]) -> None:
         """Recompute every key and count from the nodes themselves and compare."""
         saved = {n.id: (n.acct, n.lru_keys) for n in nodes}
-        full_keys, swa_keys = set(self.full), set(self.swa)
+        full_keys, swa_keys = self.live_keys()
         totals = (self.full_evictable, self.full_protected, self.swa_evictable, self.swa_protected)
         require(set(self.nodes) == {n.id for n in nodes}, "LRU index tracks the wrong node set")
+        held = [k for n in nodes for k in n.lru_keys]
+        require(
+            len(full_keys) + len(swa_keys) == len(held) == self._live_full + self._live_swa,
+            "LRU keys missing from the heaps, or live-key counts drifted",
+        )
         shadow = LruIndex(self.page_size, self.window)
         for n in nodes:
-            n.lru_keys, n.acct = (), (0, 0, 0, 0)
+            n.lru_keys, n.acct = (), _NO_ACCT
             shadow.update(n)
         try:
-            require(set(shadow.full) == full_keys, "full LRU keys are stale")
-            require(set(shadow.swa) == swa_keys, "SWA LRU keys are stale")
+            want_full, want_swa = shadow.live_keys()
+            require(want_full == full_keys, "full LRU keys are stale")
+            require(want_swa == swa_keys, "SWA LRU keys are stale")
             require(
                 totals
                 == (

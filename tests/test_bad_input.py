@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 
 import numpy as np
@@ -179,9 +180,16 @@ def _corrupt_lock_count(cache, a, b):
 
 def _corrupt_lru_keys(cache, a, b):
     index = cache._index
-    stamp, node_id = index.full[0][:2]
-    index.full.remove(index.full[0])
-    index.full.add((stamp + 1000, node_id))  # a stale recency stamp
+    node = index.oldest_full_leaf()
+    stale = (node.lru_keys[0][0] + 1000, node.id)  # a stale recency stamp
+    node.lru_keys = (stale, *node.lru_keys[1:])
+    heapq.heappush(index.full, stale)
+
+
+def _drop_lru_entry(cache, a, b):
+    index = cache._index
+    index.full.remove(index.oldest_full_leaf().lru_keys[0])  # an evictable leaf nobody can find
+    heapq.heapify(index.full)
 
 
 def _corrupt_page_table(cache, a, b):
@@ -193,6 +201,7 @@ def _corrupt_page_table(cache, a, b):
     (_corrupt_owned_and_free, "owned page is on the free list|duplicate"),
     (_corrupt_lock_count, "lock"),
     (_corrupt_lru_keys, "LRU"),
+    (_drop_lru_entry, "LRU"),
     (_corrupt_page_table, "page table"),
 ])  # fmt: skip
 def test_check_invariants_fires_on_a_corrupted_state(corrupt, message):
