@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -28,6 +27,7 @@ from .events import EventLog
 from .locks import LockTable, PinReceipt
 from .lru import LruIndex
 from .node import Node
+from .page_table import PageTable
 from .radix_tree import RadixTree, Walk
 from .request import Request, RequestState
 from .results import (
@@ -57,10 +57,6 @@ def _as_count(value: object) -> int | None:
     return int(value)
 
 
-#: page lists of recently admitted paths kept by `_path_vpages`
-_PATH_MEMO = 4
-
-
 class ShadowRadixCache(EmbedderVerbs):
     """Prefix cache for DeepSeek-V4-style hybrid attention. See docs/design.md and docs/api.md.
 
@@ -86,7 +82,6 @@ class ShadowRadixCache(EmbedderVerbs):
         self._shadows = Shadows(config)
         self._requests: dict[int, Request] = {}
         self._pins: dict[int, PinReceipt] = {}
-        self._paths: OrderedDict[tuple[int, int], list[int]] = OrderedDict()  # `_path_vpages`
         self._pin_ids = itertools.count()
         self._prompt_tokens = self._hit_tokens = self._replayed_tokens = 0
         self._replayed_hits = self._approximate_hits = 0
@@ -241,11 +236,12 @@ class ShadowRadixCache(EmbedderVerbs):
         request = Request(self, arr, match)
         request.terminal = node
         self._requests[request.id] = request
-        request.vpages = self._path_vpages(node)
+        path = node.path_from_root()
+        request.vpages = PageTable([n.vpages for n in path])
         request.tree_pages = prefix_pages
         if not node.is_root:
             request.full_receipt = self._locks.lock_full(node)
-        self._tree.touch(node.path_from_root())
+        self._tree.touch(path)
         request.swa_base = window_first
         if match.is_replay:
             self._attach_replayed_window(request, replay_pages)
@@ -304,24 +300,6 @@ class ShadowRadixCache(EmbedderVerbs):
         n = match.prefix_len
         if len(arr) < n or not np.array_equal(arr[:n], match.tokens[:n]):
             raise InvalidRequestError("tokens do not start with the matched prefix")
-
-    def _path_vpages(self, node: Node) -> list[int]:
-        """The virtual pages of the path ending at ``node``, as a new list. The lists of the
-        last few paths are kept (a shared system prompt is admitted over and over): copying
-        one is several times cheaper than building it from the nodes' arrays. A path's pages
-        are fixed by (its end node, the node's end): splits keep them, and only a leaf's end
-        moves (`RadixTree.extend_leaf`)."""
-        key = (node.id, node.end_page)
-        pages = self._paths.get(key)
-        if pages is None:
-            path = node.path_from_root()
-            pages = np.concatenate([n.vpages for n in path]).tolist() if path else []
-            self._paths[key] = pages
-            if len(self._paths) > _PATH_MEMO:
-                self._paths.popitem(last=False)
-        else:
-            self._paths.move_to_end(key)
-        return list(pages)
 
     def _tree_swa_pages(self, node: Node, first_page: int, end_page: int) -> list[int]:
         """Live tree SWA pages for ``[first_page, end_page)`` along the path ending at ``node``."""
@@ -451,7 +429,7 @@ class ShadowRadixCache(EmbedderVerbs):
                 Run(
                     start,
                     start + len(a),
-                    r.vpages[start // p :],
+                    r.vpages.slice(start // p),
                     first,
                     r.swa_pages[first - r.swa_base :],
                 )
@@ -473,13 +451,15 @@ class ShadowRadixCache(EmbedderVerbs):
         crossing = sum(1 for start in starts if start % p == 0)
         evicted = self._reserve(crossing, crossing) if crossing else _NO_EVICTION
         fresh = iter(self._take_pages([(1, 1)] * crossing))
-        vpages, spages = [], []
+        vpages: list[int] = []
+        spages: list[int] = []
         carry_tables: dict[int, tuple[int, list[int]]] = {}
         for i, (r, t, start) in enumerate(zip(requests, tokens, starts)):
             page = start // p
             if start % p == 0:
                 self._grow(r, *next(fresh))
-            vpages.append(r.vpages[page])
+            table = r.vpages
+            vpages.append(table.own[page - table.base])  # a new token's page is never shared
             spages.append(r.swa_pages[page - r.swa_base])
             if not (start + 1) & group_mask:
                 first = max(r.swa_base, (start - w) // p)
@@ -589,8 +569,8 @@ class ShadowRadixCache(EmbedderVerbs):
             request.swa_pages[keep_pages - request.swa_base :],
             request.swa_owned[keep_pages - request.swa_base :],
         )
-        self._full.give_back(request.vpages[keep_pages:])
-        del request.vpages[keep_pages:]
+        self._full.give_back(request.vpages.slice(keep_pages))
+        request.vpages.truncate(keep_pages)
         request._truncate(end)
         request.num_draft = 0
         if accepted:
@@ -660,8 +640,8 @@ class ShadowRadixCache(EmbedderVerbs):
         """
         lo, hi, base = node.start_page, node.end_page, request.swa_base
         request.approximate |= node.approximate  # it now reads that node's state
-        self._full.free(request.vpages[lo:hi])
-        request.vpages[lo:hi] = node.vpages.tolist()
+        self._full.free(request.vpages.slice(lo, hi))
+        request.vpages.replace(lo, hi, node.vpages.tolist())
         live_abs = hi - len(node.swa_pages)
         for k in range(max(lo, base, live_abs), hi):
             i = k - base
@@ -691,7 +671,7 @@ class ShadowRadixCache(EmbedderVerbs):
             swa = np.asarray(request.swa_pages[i0:i1], dtype=np.int64)
             assert all(request.swa_owned[i0:i1]), "private pages beyond the tree must be owned"
             request.swa_owned[i0:i1] = [False] * (i1 - i0)
-        vpages = np.asarray(request.vpages[lo:full_pages], dtype=np.int64)
+        vpages = np.asarray(request.vpages.slice(lo, full_pages), dtype=np.int64)
         new_tokens = tokens[lo * p : full_pages * p].copy()
         if self._can_extend_own_leaf(request, parent, live_lo == lo):
             self._tree.extend_leaf(parent, new_tokens, vpages, swa)
@@ -720,10 +700,10 @@ class ShadowRadixCache(EmbedderVerbs):
             if receipt is not None:
                 self._locks.unlock(receipt)
         request.swa_receipt = request.full_receipt = None
-        self._full.free(request.vpages[request.tree_pages :])
+        self._full.free(request.vpages.slice(request.tree_pages))
         self._swa.free([pg for pg, own in zip(request.swa_pages, request.swa_owned) if own])
         request.swa_pages, request.swa_owned = [], []
-        del request.vpages[request.tree_pages :]  # in place: O(private pages), not O(prefix)
+        request.vpages.truncate(request.tree_pages)  # O(private pages), not O(prefix)
         request.state = state
         del self._requests[request.id]
         self._tree.touch(request.terminal.path_from_root())

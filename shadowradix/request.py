@@ -18,6 +18,7 @@ import numpy as np
 
 from .locks import LockReceipt
 from .node import Node
+from .page_table import PageTable
 from .results import MatchResult
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class Request:
         self._buf[: match.prefix_len] = prompt[: match.prefix_len]
         self._len = match.prefix_len
         self.num_draft = 0
-        self.vpages: list[int] = []
+        self.vpages = PageTable()
         self.tree_pages = 0
         self.terminal: Node = match.node
         self.full_receipt: LockReceipt | None = None

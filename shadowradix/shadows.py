@@ -17,7 +17,7 @@ vectorised over all tokens of a step; nothing loops per token in Python.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -250,7 +250,7 @@ class Shadows:
         self,
         length: int,
         window_end: int,
-        vpages: list[int],
+        vpages: Sequence[int],
         swa_first: int,
         swa_pages: list[int],
         replay_start: int | None,

@@ -193,7 +193,7 @@ def _drop_lru_entry(cache, a, b):
 
 
 def _corrupt_page_table(cache, a, b):
-    b.vpages[0], b.vpages[1] = b.vpages[1], b.vpages[0]
+    b.vpages.replace(0, 2, [b.vpages[1], b.vpages[0]])
 
 
 @pytest.mark.parametrize("corrupt,message", [

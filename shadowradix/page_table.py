@@ -1,0 +1,110 @@
+"""A request's virtual page table, sharing its admitted prefix with the tree.
+
+At admission a request's first pages are those of the tree path it resumes after. The table
+keeps that path's node arrays as they are (node page arrays are never written in place: splits
+take views, inserts make new arrays), so admitting a 128K-token prefix costs O(path nodes), not
+O(pages). Pages from ``base`` on are the request's own list::
+
+    pages   [0 ............. base)  [base ................ len)
+            shared: the path's node  own: a list (inserted later, or private;
+            arrays, read-only        the cache appends, replaces and truncates here)
+
+Readers see an immutable sequence of ints (``len``, indexing, slicing to a list, iteration,
+``==`` with any list or tuple, ``np.asarray``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from itertools import chain
+from typing import Any, overload
+
+import numpy as np
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class PageTable(Sequence[int]):
+    __slots__ = ("_segments", "_shared", "base", "own")
+
+    def __init__(self, segments: Sequence[np.ndarray] = ()) -> None:
+        self._segments = tuple(segments)
+        self._shared: np.ndarray | None = None  # the segments concatenated, on first need
+        #: pages held in the shared segments; page ``base + i`` is ``own[i]``
+        self.base = sum(len(s) for s in self._segments)
+        self.own: list[int] = []
+
+    def __len__(self) -> int:
+        return self.base + len(self.own)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            lo, hi, step = index.indices(len(self))
+            return self.slice(lo, hi) if step == 1 else self.tolist()[index]
+        i = index + len(self) if index < 0 else index
+        if not 0 <= i < len(self):
+            raise IndexError("page table index out of range")
+        return self.own[i - self.base] if i >= self.base else int(self.shared()[i])
+
+    def slice(self, lo: int, hi: int | None = None) -> list[int]:
+        """Pages ``[lo, hi)`` (to the end without ``hi``) as a new list; ``0 <= lo``."""
+        b = self.base
+        if hi is None:
+            hi = b + len(self.own)
+        if lo >= b:
+            return self.own[lo - b : max(hi - b, 0)]
+        head: list[int] = self.shared()[lo : min(hi, b)].tolist()
+        return head + self.own[: hi - b] if hi > b else head
+
+    def shared(self) -> np.ndarray:
+        """The shared pages ``[0, base)`` as one read-only array."""
+        if self._shared is None:
+            segs = self._segments
+            self._shared = segs[0] if len(segs) == 1 else np.concatenate(segs) if segs else _EMPTY
+        return self._shared
+
+    def tolist(self) -> list[int]:
+        return self.shared().tolist() + self.own  # type: ignore[no-any-return]
+
+    def __iter__(self) -> Iterator[int]:
+        return chain(self.shared().tolist(), self.own)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = np.concatenate((self.shared(), np.asarray(self.own, dtype=np.int64)))
+        return out if dtype is None else out.astype(dtype)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (PageTable, list, tuple)):
+            return self.tolist() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PageTable({self.tolist()!r})"
+
+    # -- the cache's changes (all on the own part; a change below ``base`` copies once) ------
+
+    def extend(self, pages: list[int]) -> None:
+        self.own.extend(pages)
+
+    def replace(self, lo: int, hi: int, pages: list[int]) -> None:
+        """Pages ``[lo, hi)`` become ``pages`` (same length)."""
+        if lo < self.base:
+            self._unshare()
+        b = self.base
+        self.own[lo - b : hi - b] = pages
+
+    def truncate(self, num_pages: int) -> None:
+        """Keep the first ``num_pages`` pages."""
+        if num_pages < self.base:
+            self._unshare()
+        del self.own[num_pages - self.base :]
+
+    def _unshare(self) -> None:
+        self.own = self.tolist()
+        self._segments, self._shared, self.base = (), None, 0
