@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Hashable, Sequence
+from itertools import compress
 
 import numpy as np
 
@@ -530,8 +531,7 @@ class ShadowRadixCache(EmbedderVerbs):
         drop = new_base - request.swa_base
         if drop <= 0:
             return False
-        owned = [pg for pg, own in zip(request.swa_pages[:drop], request.swa_owned[:drop]) if own]
-        self._swa.free(owned)
+        self._swa.free(list(compress(request.swa_pages[:drop], request.swa_owned[:drop])))
         del request.swa_pages[:drop], request.swa_owned[:drop]
         request.swa_base = new_base
         return True
@@ -701,7 +701,7 @@ class ShadowRadixCache(EmbedderVerbs):
                 self._locks.unlock(receipt)
         request.swa_receipt = request.full_receipt = None
         self._full.free(request.vpages.slice(request.tree_pages))
-        self._swa.free([pg for pg, own in zip(request.swa_pages, request.swa_owned) if own])
+        self._swa.free(list(compress(request.swa_pages, request.swa_owned)))
         request.swa_pages, request.swa_owned = [], []
         request.vpages.truncate(request.tree_pages)  # O(private pages), not O(prefix)
         request.state = state
@@ -738,6 +738,8 @@ class ShadowRadixCache(EmbedderVerbs):
         return report + self._evict_swa(swa_pages - self._swa.num_free)
 
     def _evict_full(self, num_pages: int) -> EvictionReport:
+        if num_pages <= 0:
+            return _NO_EVICTION
         freed = swa = removed = 0
         while freed < num_pages:
             leaf = self._index.oldest_full_leaf()
@@ -752,6 +754,8 @@ class ShadowRadixCache(EmbedderVerbs):
         return report
 
     def _evict_swa(self, num_pages: int) -> EvictionReport:
+        if num_pages <= 0:
+            return _NO_EVICTION
         freed = tombstoned = 0
         while freed < num_pages:
             node = self._index.oldest_swa()
