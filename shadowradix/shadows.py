@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -86,8 +87,11 @@ def ring_rows(swa_pages: np.ndarray, positions: np.ndarray, stream: StreamSpec) 
 
 def _flatten(tables: list[list[int]], first_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Concatenate page-table slices; ``flat[base[i] + page]`` is request ``i``'s page."""
-    sizes = np.fromiter((len(t) for t in tables), I64, len(tables))
-    flat = np.fromiter((x for t in tables for x in t), I64, int(sizes.sum()))
+    if len(tables) == 1:
+        flat = np.array(tables[0], dtype=I64)
+        return flat, -first_pages
+    sizes = np.fromiter(map(len, tables), I64, len(tables))
+    flat = np.fromiter(chain.from_iterable(tables), I64, int(sizes.sum()))
     return flat, np.cumsum(sizes) - sizes - first_pages
 
 
@@ -158,6 +162,11 @@ class Shadows:
         )
 
     def _expand_runs(self, runs: list[Run], replay: bool) -> StepArrays:
+        if len(runs) == 1:
+            return self._expand_one(runs[0], replay)
+        return self._expand_many(runs, replay)
+
+    def _expand_many(self, runs: list[Run], replay: bool) -> StepArrays:
         p = self.page_size
         starts = np.fromiter((r.start for r in runs), I64, len(runs))
         ends = np.fromiter((r.end for r in runs), I64, len(runs))
@@ -178,6 +187,45 @@ class Shadows:
         offsets = np.concatenate(([0], np.cumsum(lengths))).astype(I64)
         step = _Step(offsets, pos, owner, vslots, spages, starts, ends, swa_page_of)
         return self._assemble(step, keep, replay)
+
+    def _expand_one(self, run: Run, replay: bool) -> StepArrays:
+        """`_expand_runs` for one request (a prefill chunk, a replay): the same arrays, with
+        the per-request indexing and masks replaced by ranges (a third of the NumPy calls)."""
+        p, shift, start, end = self.page_size, self._shift, run.start, run.end
+        pos = np.arange(start, end, dtype=I64)
+        owner = np.zeros(end - start, dtype=I64)
+        vtab = np.array(run.vpages, dtype=I64)
+        stab = np.array(run.swa_pages, dtype=I64)
+        keep = None  # page 1: ring_len is 1, every row is the last of its page and kept
+        if p == 1:
+            vslots, spages = vtab, stab[start - run.swa_first :]
+        else:
+            page = pos >> shift
+            vslots = vtab[page - (start >> shift)] * p + (pos & (p - 1))
+            spages = stab[page - run.swa_first]
+            keep = pos >= np.minimum((page + 1) * p, end) - self._ring_len_col
+        rows = spages * self._ring_len_col + (pos & self._ring_mask_col)
+        streams = []
+        for i, s in enumerate(self.config.streams):
+            if keep is None or keep[i].all():
+                ring = (owner, pos, rows[i])
+            else:
+                ring = (owner[keep[i]], pos[keep[i]], rows[i][keep[i]])
+            g0, g1 = start // s.ratio, end // s.ratio  # groups completing now: [g0, g1)
+            entries = carry = (_EMPTY, _EMPTY, _EMPTY)
+            if g1 > g0 and not replay:
+                groups = np.arange(g0, g1, dtype=I64)
+                ends = groups * s.ratio + (s.ratio - 1)
+                slots = compressed_slots(vslots[ends - start], ends, s)
+                entries = (np.zeros(g1 - g0, dtype=I64), groups, slots)
+                first = first_inflight(start, s)
+                cpos = np.arange(first, start, dtype=I64)
+                crows = ring_rows(stab[(cpos >> shift) - run.swa_first], cpos, s)
+                carry = (np.zeros(start - first, dtype=I64), cpos, crows)
+            streams.append(StreamWrites(s.ratio, *ring, *carry, *entries))
+        swa_slots = spages * p + (pos & (p - 1))
+        offsets = np.array([0, end - start], dtype=I64)
+        return StepArrays(offsets, pos, vslots, swa_slots, tuple(streams))
 
     def _expand_decode(
         self,

@@ -1,12 +1,16 @@
-"""Allocations: the decode fast path equals the general path, and lazily built arrays stay
-valid after later cache operations."""
+"""Allocations: the decode and one-request fast paths equal the general path, and lazily built
+arrays stay valid after later cache operations."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shadowradix import CacheConfig, ShadowRadixCache
+from shadowradix.results import StepArrays
+from shadowradix.shadows import Run, Shadows
 from shadowradix.testing import FingerprintOracle, snapshot
 
 
@@ -85,3 +89,41 @@ def test_arrays_built_late_equal_arrays_built_at_once(page: int) -> None:
     for expected, late in pending:
         assert _arrays(late) == expected
     assert pending[0][1].num_tokens == 13 and pending[-1][1].num_tokens == 1
+
+
+def _fields(a: StepArrays) -> list:  # type: ignore[type-arg]
+    arrays = [a.token_offsets, a.positions, a.virtual_slots, a.swa_slots]
+    arrays += [np.asarray(getattr(s, f)) for s in a.streams for f in s.__dataclass_fields__]
+    return [(x.dtype.str, x.shape, x.tolist()) if isinstance(x, np.ndarray) else x for x in arrays]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    page=st.sampled_from([1, 2, 4, 16, 64, 256]),
+    layout=st.sampled_from(["v4", "small"]),
+    speculative=st.booleans(),
+    start=st.integers(0, 700),
+    length=st.integers(1, 400),
+    replay=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_one_request_expansion_equals_the_general_path(
+    page: int, layout: str, speculative: bool, start: int, length: int, replay: bool, seed: int
+) -> None:
+    """`Shadows._expand_one` (a step of one request: every prefill chunk) builds exactly the
+    arrays of the general many-request expansion."""
+    ratios, overlap, window = (
+        ((0, 0, 4, 128), (4,), 128) if layout == "v4" else ((0, 2, 8), (2,), 16)
+    )
+    cfg = CacheConfig(page_size=page, window=window, compress_ratios=ratios,
+                      overlap_ratios=overlap, speculative=speculative,
+                      full_capacity=4096 * page, swa_capacity=1024 * page)  # fmt: skip
+    rng = np.random.default_rng(seed)
+    end = start + length
+    swa_first = max(0, (start - window) // page)
+    last = (end - 1) // page
+    vpages = rng.integers(0, 4096, last + 1 - start // page).tolist()
+    spages = rng.integers(0, 1024, last + 1 - swa_first).tolist()
+    shadows = Shadows(cfg)
+    run = Run(start, end, vpages, swa_first, spages)
+    assert _fields(shadows._expand_one(run, replay)) == _fields(shadows._expand_many([run], replay))
