@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 
-from shadowradix.cli import add_demo_parser, run_demo
+from shadowradix.cli import OneLineParser, add_demo_parser, non_negative, positive, run_demo
+from shadowradix.errors import ShadowRadixError
 
 DEFAULT_SYSTEM = (
     "You are a careful assistant for an inference engine team. Answer briefly, cite the "
@@ -25,25 +27,43 @@ DEFAULT_QUESTIONS = (
 )
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+    return value
+
+
 def add_run_parser(sub) -> None:
     run = sub.add_parser("run", help="decode prompts end to end with the embedded model")
     run.add_argument("prompts", nargs="*", help="prompt texts (default: a built-in chat set)")
-    run.add_argument("--file", help="read prompts from a file, one per line")
+    run.add_argument("--file", help="read prompts from a file, one per non-empty line")
     run.add_argument(
         "--model",
         default="tiny",
-        help="model preset: tiny | flash-shaped | tiny-shared | flash-shared",
+        help="model preset: tiny | flash-shaped | tiny-shared | flash-shared (default tiny)",
     )
-    run.add_argument("--layers", type=int, help="keep only the first N layers of the preset")
-    run.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    run.add_argument("--max-new-tokens", type=int, default=48)
-    run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--page-size", type=int, default=64)
-    run.add_argument("--full-tokens", type=int, default=64 * 1024)
-    run.add_argument("--swa-tokens", type=int, default=8 * 1024)
-    run.add_argument("--chunk-tokens", type=int, default=256)
-    run.add_argument("--max-running", type=int, default=32)
+    run.add_argument("--layers", type=positive,
+                     help="keep only the first N layers of the preset")  # fmt: skip
+    run.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
+    run.add_argument("--max-new-tokens", type=positive, default=48,
+                     help="tokens to generate per prompt (default 48)")  # fmt: skip
+    run.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                     help="sampling temperature; 0 is greedy (default)")  # fmt: skip
+    run.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    run.add_argument("--page-size", type=positive, default=64,
+                     help="tokens per cache page, a power of two (default 64)")  # fmt: skip
+    run.add_argument("--full-tokens", type=positive, default=64 * 1024,
+                     help="full (compressed) pool capacity in tokens (default 65536)")  # fmt: skip
+    run.add_argument("--swa-tokens", type=positive, default=8 * 1024,
+                     help="sliding-window pool capacity in tokens (default 8192)")  # fmt: skip
+    run.add_argument("--chunk-tokens", type=positive, default=256,
+                     help="most prompt tokens a prefill step computes (default 256)")  # fmt: skip
+    run.add_argument("--max-running", type=positive, default=32,
+                     help="most requests decoding together (default 32)")  # fmt: skip
     run.add_argument(
         "--index-format",
         choices=("bf16", "fp8", "fp4"),
@@ -65,7 +85,7 @@ def add_run_parser(sub) -> None:
     )
     run.add_argument(
         "--hisparse-pages",
-        type=int,
+        type=positive,
         help="keep C4 KV in host memory with this many device pages per C4 layer",
     )
     run.add_argument(
@@ -80,13 +100,13 @@ def add_run_parser(sub) -> None:
     )
     run.add_argument(
         "--speculative",
-        type=int,
+        type=positive,
         metavar="K",
         help="speculative decoding: the MTP layer drafts K tokens per step (greedy only)",
     )
     run.add_argument(
         "--arrival-steps",
-        type=int,
+        type=non_negative,
         default=2,
         help="submit one prompt every N steps (0: all at once)",
     )
@@ -94,28 +114,53 @@ def add_run_parser(sub) -> None:
 
 
 def _prompts(args) -> list[str]:
+    """The prompts to run: the arguments, then the file's non-empty lines; the built-in set
+    only when neither was given. Raises `ValueError` for a file without a prompt."""
     texts = list(args.prompts)
     if args.file:
         with open(args.file, encoding="utf-8") as fh:
-            texts += [line.rstrip("\n") for line in fh if line.strip()]
+            lines = [line.rstrip("\n") for line in fh if line.strip()]
+        if not lines:
+            raise ValueError(f"{args.file}: no prompts (every line is empty)")
+        texts += lines
     return texts or [DEFAULT_SYSTEM + "Q: " + q + " A:" for q in DEFAULT_QUESTIONS]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shadowradix", description="ShadowRadix KV-cache manager")
+    """Exit status: 0 done, 1 some prompt refused, 2 bad arguments or a one-line error (no
+    traceback), 130 interrupted (Ctrl-C)."""
+    parser = OneLineParser(prog="shadowradix", description="ShadowRadix KV-cache manager")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_demo_parser(sub)
     add_run_parser(sub)
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        return run_demo(args)
-    from .run_command import run_command  # torch is imported only for ``run``
-
     try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad argument (already reported)
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        if args.command == "demo":
+            return run_demo(args)
+        from .run_command import run_command  # torch is imported only for ``run``
+
         return run_command(args, _prompts(args))
-    except (ValueError, OSError) as exc:
-        print(f"shadowradix run: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"shadowradix {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print(f"shadowradix {args.command}: error: out of host memory (lower --full-tokens / "
+              "--swa-tokens)", file=sys.stderr)  # fmt: skip
         return 2
+    except (ValueError, OSError, ShadowRadixError) as exc:
+        print(f"shadowradix {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("shadowradix")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a source tree
+        return "unknown"
 
 
 if __name__ == "__main__":

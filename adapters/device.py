@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from shadowradix.errors import ShadowRadixError
@@ -9,6 +11,11 @@ from shadowradix.errors import ShadowRadixError
 
 class DeviceError(ShadowRadixError, ValueError):
     """The requested device does not exist or is not usable here."""
+
+
+class PoolMemoryError(ShadowRadixError, ValueError):
+    """The pools asked for do not fit in the device's free memory (raised before anything is
+    allocated, so the caller can retry with smaller pools)."""
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -29,3 +36,29 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     elif dev.type != "cpu":
         raise DeviceError(f"unsupported device type {dev.type!r}; use 'cpu' or 'cuda'")
     return dev
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory free for new tensors on ``device``: CUDA's free bytes, or the host's available
+    memory (``MemAvailable``; physical memory where /proc is missing)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # pragma: no cover
+
+
+def check_pools_fit(need: int, device: torch.device, free: int | None = None) -> None:
+    """Raises `PoolMemoryError` when ``need`` bytes of pools exceed what ``device`` has free
+    (``free``: that figure, for tests)."""
+    free = free_bytes(device) if free is None else free
+    if need > free:
+        raise PoolMemoryError(
+            f"the pools need {need / 2**30:.2f} GiB but {device} has {free / 2**30:.2f} GiB "
+            "free: lower the full / SWA pool sizes (--full-tokens, --swa-tokens)"
+        )

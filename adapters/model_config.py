@@ -177,7 +177,11 @@ class ModelConfig:
         return replace(self, name=f"{self.name}-unshared", kv_sources=(), index_sources=())
 
     def first_layers(self, n: int) -> ModelConfig:
-        """The model cut to its first ``n`` layers (sources beyond the cut dropped)."""
+        """The model cut to its first ``n`` layers (sources beyond the cut dropped). Raises
+        `ValueError` unless ``1 <= n <= num_layers``."""
+        if not 1 <= n <= self.num_layers:
+            raise ValueError(f"{self.name} has {self.num_layers} layers: keep 1 to "
+                             f"{self.num_layers}, not {n}")  # fmt: skip
         return replace(
             self,
             compress_ratios=self.compress_ratios[:n],

@@ -96,6 +96,19 @@ def bytes_per_token(
     return TokenBytes(compressed=compressed, index=index, swa=swa, rings=rings)
 
 
+def pool_bytes(
+    model: ModelConfig,
+    cache: CacheConfig,
+    dtype: torch.dtype,
+    index_format: CacheFormat = CacheFormat.BF16,
+    swa_format: CacheFormat = CacheFormat.BF16,
+) -> int:
+    """What `KVPools` will allocate for these pools, to within their sentinel rows and the MTP
+    layer (known before anything is allocated: `device.check_pools_fit`)."""
+    per = bytes_per_token(model, cache, dtype, index_format, swa_format)
+    return int(cache.full_capacity * per.per_cached_token + cache.swa_capacity * per.per_swa_token)
+
+
 class KVPools:
     """Every pool tensor of one model. ``state_dtype`` (the rings) is fp32 unless the model runs
     in fp64 (exact tests). ``offload_c4``: no device C4 KV pool (`C4Offload` holds it).

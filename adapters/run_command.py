@@ -20,7 +20,7 @@ from .tokenizer import ByteTokenizer
 
 def build_runner(args: argparse.Namespace) -> Runner:
     model = preset(args.model)
-    if args.layers:
+    if args.layers is not None:
         model = model.first_layers(args.layers)
     cache = model.cache_config(
         page_size=args.page_size,
@@ -75,16 +75,16 @@ def run_command(args: argparse.Namespace, texts: list[str]) -> int:
                 try:
                     ids[runner.submit(prompt, params)] = order
                 except InvalidRequestError as exc:  # the others still run
-                    print(f"[{order}] refused: {exc}", file=sys.stderr, flush=True)
+                    bars.note(f"[{order}] refused: {exc}")
                     refused += 1
                     bars.refuse(len(prompt), args.max_new_tokens)
                 order += 1
             pending = pending[len(batch) :]
         done = runner.step()
         step += 1
-        bars.update(runner.stats.prefill_tokens, done)
+        bars.update(runner.stats.prefill_tokens, runner.stats.decode_tokens)
         results += done
-    bars.close()
+    bars.finish()
     wall = time.perf_counter() - start
     if not args.quiet:
         for res in sorted(results, key=lambda r: ids[r.request_id]):
@@ -106,16 +106,22 @@ class _Progress:
         self.bar = tqdm(total=prompt_tokens + output_tokens, desc="tokens", unit="tok",
                         unit_scale=True, disable=quiet, file=sys.stderr)  # fmt: skip
 
-    def update(self, prefilled: int, done: list[GenerationResult]) -> None:
+    def update(self, prefilled: int, decoded: int) -> None:
+        """The runner's running totals: tokens prefilled and decoded so far (reused prompt
+        tokens never count, so the bar's prompt share is what may be computed)."""
         gain = max(0, min(prefilled, self.prompt) - self.prefilled)
         self.prefilled += gain
-        decoded = sum(len(r.output) for r in done)
-        self.decoded += decoded
-        self.bar.update(gain + decoded)
+        step = max(0, min(decoded, self.output) - self.decoded)
+        self.decoded += step
+        self.bar.update(gain + step)
         self.bar.set_postfix_str(
             f"prefill {self.prefilled}/{self.prompt}, decode {self.decoded}/{self.output}",
             refresh=False,
         )
+
+    def note(self, message: str) -> None:
+        """A line on stderr above the bar (never inside it)."""
+        tqdm.write(message, file=sys.stderr)
 
     def refuse(self, prompt_len: int, output_len: int) -> None:
         self.prompt -= prompt_len
@@ -123,7 +129,14 @@ class _Progress:
         self.bar.total = self.prompt + self.output
         self.bar.refresh()
 
-    def close(self) -> None:
+    def finish(self) -> None:
+        """Closes the bar at 100 %: prompt tokens reused and outputs that stopped early (EOS)
+        are work that was never needed."""
+        self.bar.n = self.bar.total
+        self.bar.set_postfix_str(
+            f"prefill {self.prefilled}/{self.prompt}, decode {self.decoded}/{self.output}",
+            refresh=False,
+        )
         self.bar.close()
 
 
@@ -144,7 +157,7 @@ def summary(runner: Runner, results: list[GenerationResult], wall: float) -> str
         f"preemptions {st.preemptions}",
         f"time: forward {st.forward_s:.2f} s, scheduling + cache {st.schedule_s:.2f} s",
     ]
-    if st.replayed_hits or st.approximate_results:
+    if runner.cache.config.bounded_replay:  # tail-only approximations have their own line
         lines.append(
             f"bounded replay (approximate): {st.replayed_hits} replayed hits, "
             f"{st.replayed_tokens} window tokens recomputed, {st.approximate_results} of "

@@ -31,12 +31,12 @@ from shadowradix import CacheConfig, InvalidRequestError, ShadowRadixCache
 
 from .admission import UnsupportedRequestError
 from .decode import Decode
-from .device import resolve_device
+from .device import check_pools_fit, resolve_device
 from .formats import CacheFormat
 from .graph_decode import GraphDecoder
 from .memory_plan import prefill_budget
 from .model_config import ModelConfig
-from .pools import KVPools
+from .pools import KVPools, pool_bytes
 from .prefill import Prefill
 from .runner_stats import RunnerStats
 from .sampling import Sampler, SamplingParams
@@ -122,6 +122,8 @@ class Runner(Prefill, Decode):
                 f" chunk plus its window (needs {swa_need}); lower chunk_tokens"
             )
         self.model, self.tail_only = model, _check_tail_only(model, tail_only)
+        need = pool_bytes(model, cache_config, dtype, index_format, swa_format)
+        check_pools_fit(need, self.device)  # before the cache's page lists and the pools
         self.cache = ShadowRadixCache(cache_config)
         if hisparse_pages is not None and graph_decode:
             raise ValueError("HiSparse plans on the host mid-forward: no graph decode with it")

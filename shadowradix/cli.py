@@ -3,18 +3,54 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .config import CacheConfig
 from .demo import DemoTrace, main_demo
+from .errors import ShadowRadixError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (``prog: error: ...``) and exit
+    status 2, without the usage block (``--help`` still prints it)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} is below {low}")
+    return value
 
 
 def add_demo_parser(sub) -> None:  # type: ignore[no-untyped-def]
     demo = sub.add_parser("demo", help="replay a built-in multi-turn chat trace through the cache")
-    demo.add_argument("--page-size", type=int, default=64)
-    demo.add_argument("--full-tokens", type=int, default=64 * 1024)
-    demo.add_argument("--swa-tokens", type=int, default=16 * 1024)
-    demo.add_argument("--conversations", type=int, default=48)
-    demo.add_argument("--turns", type=int, default=4)
+    demo.add_argument("--page-size", type=positive, default=64,
+                      help="tokens per page, a power of two (default 64)")  # fmt: skip
+    demo.add_argument("--full-tokens", type=positive, default=64 * 1024,
+                      help="full pool capacity in tokens (default 65536)")  # fmt: skip
+    demo.add_argument("--swa-tokens", type=positive, default=16 * 1024,
+                      help="sliding-window pool capacity in tokens (default 16384)")  # fmt: skip
+    demo.add_argument("--conversations", type=positive, default=48,
+                      help="conversations in the trace (default 48)")  # fmt: skip
+    demo.add_argument("--turns", type=positive, default=4,
+                      help="turns per conversation (default 4)")  # fmt: skip
     demo.add_argument("--replay", action="store_true", help="enable bounded replay (approximate)")
 
 
@@ -37,9 +73,15 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shadowradix", description="ShadowRadix KV-cache manager")
+    """The cache-only entry point (``python -m shadowradix.cli demo``): exit 2 with one line
+    for a configuration the cache refuses or a trace its pools cannot serve."""
+    parser = OneLineParser(prog="shadowradix", description="ShadowRadix KV-cache manager")
     add_demo_parser(parser.add_subparsers(dest="command", required=True))
-    return run_demo(parser.parse_args(argv))
+    try:
+        return run_demo(parser.parse_args(argv))
+    except ShadowRadixError as exc:
+        print(f"shadowradix demo: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -55,6 +55,22 @@ def test_run_prompts_from_arguments_and_file(
         (["run", "x", "--chunk-tokens", "100000"], "SWA pool"),
         (["run", "x", "--file", "/nonexistent/prompts.txt"], "No such file"),
         (["run", "x", "--hisparse-pages", "3"], "cannot hold"),
+        (["run", "x", "--layers", "0"], "--layers: 0 is below 1"),
+        (["run", "x", "--layers", "-1"], "--layers: -1 is below 1"),
+        (["run", "x", "--layers", "100"], "tiny has 6 layers"),
+        (["run", "x", "--max-new-tokens", "0"], "--max-new-tokens: 0 is below 1"),
+        (["run", "x", "--page-size", "lots"], "'lots' is not an integer"),
+        (["run", "x", "--page-size", "3"], "page_size must be one of"),
+        (["run", "x", "--temperature", "nan"], "--temperature"),
+        (["run", "x", "--full-tokens", "100000000000000"], "the pools need"),
+        (["run", "x", "--speculative", "0"], "--speculative: 0 is below 1"),
+        (["run", "x", "--arrival-steps", "-2"], "--arrival-steps: -2 is below 0"),
+        (["run", "x", "--bogus"], "unrecognized arguments: --bogus"),
+        (["demo", "--page-size", "3"], "page_size must be one of"),
+        (["demo", "--conversations", "0"], "--conversations: 0 is below 1"),
+        (["demo", "--turns", "0"], "--turns: 0 is below 1"),
+        (["demo", "--swa-tokens", "64", "--page-size", "16"], "swa_capacity"),
+        ([], "required: command"),
     ],
 )
 def test_run_bad_arguments_exit_2_with_one_line(
@@ -63,6 +79,52 @@ def test_run_bad_arguments_exit_2_with_one_line(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_an_empty_prompt_file_is_an_error_not_the_built_in_prompts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "empty.txt"
+    path.write_text("\n  \n", encoding="utf-8")
+    assert main(["run", "--file", str(path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "no prompts" in err and err.count("\n") == 1
+
+
+def test_version_and_interrupt(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--version`` prints the installed version; Ctrl-C during a run is one line and 130."""
+    assert main(["--version"]) == 0
+    assert re.match(r"shadowradix \S+$", capsys.readouterr().out.strip())
+
+    def interrupted(args, texts):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("adapters.run_command.run_command", interrupted)
+    assert main(["run", "x", "--device", "cpu"]) == 130
+    assert capsys.readouterr().err == "shadowradix run: interrupted\n"
+
+
+def test_progress_counts_decode_tokens_as_they_come(capsys: pytest.CaptureFixture[str]) -> None:
+    """The bar's decode share grows every step (not when a request finishes) and closes at
+    100 % even when prompt tokens were reused."""
+    from adapters.run_command import _Progress
+
+    bar = _Progress(prompt_tokens=10, output_tokens=8, quiet=False)
+    bar.update(prefilled=10, decoded=0)
+    bar.update(prefilled=10, decoded=3)
+    assert (bar.prefilled, bar.decoded, bar.bar.n) == (10, 3, 13)
+    bar.update(prefilled=10, decoded=100)  # never past the total
+    assert bar.decoded == 8
+    bar.finish()
+    assert bar.bar.n == bar.bar.total
+
+
+def test_tail_only_summary_has_no_bounded_replay_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["run", "hello there", "general kenobi", "--model", "tiny-shared", "--tail-only",
+            "--device", "cpu", "--max-new-tokens", "3", "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tail-only prefill" in out and "bounded replay" not in out
 
 
 def test_run_with_hisparse_reports_its_buffer(capsys: pytest.CaptureFixture[str]) -> None:
