@@ -40,3 +40,21 @@ def test_doc_example_runs(code: str) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=ROOT, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_api_md_lists_the_cache_config_defaults() -> None:
+    """docs/api.md's `CacheConfig(...)` signature names every field with its real default."""
+    import dataclasses
+
+    from shadowradix import CacheConfig
+    from shadowradix.config import V4_FLASH_RATIOS
+
+    text = (ROOT / "docs/api.md").read_text(encoding="utf-8")
+    start = text.index("```python\nCacheConfig(\n")
+    block = text[start : text.index("\n)\n", start)]
+    listed = dict(re.findall(r"^    (\w+): [^=]+= (.+?),\s*(?:#.*)?$", block, re.M))
+    fields = {f.name: f.default for f in dataclasses.fields(CacheConfig) if f.init}
+    assert set(listed) == set(fields)
+    names = {"V4_FLASH_RATIOS": V4_FLASH_RATIOS}
+    for name, default in fields.items():
+        assert eval(listed[name], names) == default, name  # noqa: S307 - our own docs
