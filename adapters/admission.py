@@ -23,6 +23,13 @@ def _token(t: object) -> int:
     return operator.index(t)  # type: ignore[arg-type]
 
 
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    differ = a[:n] != b[:n]
+    return int(differ.argmax()) if differ.any() else n
+
+
 class UnsupportedRequestError(InvalidRequestError):
     """The request asks for something the runner's mode cannot give: prompt logprobs under
     tail-only prefill (the later layers never see most prompt positions)."""
@@ -65,14 +72,25 @@ class Admission(RunnerBase):
         self.memory.check(total, 1 + self.spec_tokens)
         return tokens
 
+    #: In-batch prefix sharing: a waiting request whose prompt shares more than a page beyond
+    #: its cached hit with a running request's prompt that is still being prefilled waits
+    #: (`_waits_for_a_prefill`); the running request publishes every chunk, so it is then
+    #: admitted onto the whole shared prefix instead of computing it a second time.
+    share_prefills: bool = True
+
     def _admit(self) -> None:
+        deferred: list[_Seq] = []
         while self._waiting and len(self._running) < self.max_running:
             seq = self._waiting[0]
             if self._running and not self._fits(seq):
-                return
+                break
             tokens = seq.tokens
             keep = 0 if seq.params.prompt_logprobs else len(tokens) - 1  # leave one to compute
             match = self.cache.match_prefix(tokens, max_len=keep)
+            if keep and self._waits_for_a_prefill(seq, match.hit_len):
+                deferred.append(self._waiting.popleft())
+                self.stats.shared_prefill_waits += 1
+                continue
             # cannot raise CapacityError for a replayed window: `_fits` (or, with nothing
             # running, an all-evictable SWA pool) leaves room for a window and a chunk
             seq.request = self.cache.admit(tokens, match)
@@ -84,6 +102,21 @@ class Admission(RunnerBase):
                 seq.replay_at = seq.request.replay_allocation.starts[0]
                 self.stats.replayed_hits += 1
             self._running.append(self._waiting.popleft())
+        self._waiting.extendleft(reversed(deferred))  # first in the queue, in their order
+
+    def _waits_for_a_prefill(self, seq: _Seq, hit_len: int) -> bool:
+        """Whether a running request, still prefilling, has yet to compute more than a page of
+        ``seq``'s prompt beyond its cached ``hit_len`` (their prompts' common prefix)."""
+        if not self.share_prefills:
+            return False
+        page = self.cache.config.page_size
+        for other in self._running:
+            if other.decoding or other.req.length >= len(other.result.prompt):
+                continue
+            shared = _common_prefix(seq.prompt_array(), other.prompt_array())
+            if shared >= hit_len + page and other.req.length < shared:
+                return True
+        return False
 
     def _fits(self, seq: _Seq) -> bool:
         """Admission control: room for the whole request in both pools right now."""

@@ -157,6 +157,11 @@ def summary(runner: Runner, results: list[GenerationResult], wall: float) -> str
         f"preemptions {st.preemptions}",
         f"time: forward {st.forward_s:.2f} s, scheduling + cache {st.schedule_s:.2f} s",
     ]
+    if st.shared_prefill_waits:
+        lines.append(
+            f"shared prefills: {st.shared_prefill_waits} admission(s) waited for a running "
+            "prefill of their prefix instead of computing it again"
+        )
     if runner.cache.config.bounded_replay:  # tail-only approximations have their own line
         lines.append(
             f"bounded replay (approximate): {st.replayed_hits} replayed hits, "

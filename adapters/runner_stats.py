@@ -24,3 +24,5 @@ class RunnerStats:
     replayed_tokens: int = 0
     #: finished results flagged ``approximate``
     approximate_results: int = 0
+    #: admissions deferred a step because a running prefill was computing their prefix
+    shared_prefill_waits: int = 0

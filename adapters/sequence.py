@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from shadowradix.request import Request
@@ -48,6 +49,13 @@ class _Seq:
     replay_at: int | None = None
     #: (cache request, main hidden state at its last computed position): MTP drafts only
     hidden: tuple[Request, torch.Tensor] | None = None
+    _prompt_array: np.ndarray | None = field(default=None, repr=False)
+
+    def prompt_array(self) -> np.ndarray:
+        """The prompt as an int64 array (built once: prompts never change)."""
+        if self._prompt_array is None:
+            self._prompt_array = np.asarray(self.result.prompt, dtype=np.int64)
+        return self._prompt_array
 
     @property
     def tokens(self) -> list[int]:
