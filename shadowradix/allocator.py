@@ -47,17 +47,22 @@ class PageAllocator:
     def allocate(self, num_pages: int) -> list[int]:
         """Pop ``num_pages`` ids (first popped first). Raises `CapacityError`, or
         `InvalidRequestError` for a count that is not a non-negative int, changing nothing."""
-        if isinstance(num_pages, (bool, np.bool_)) or not hasattr(num_pages, "__index__"):
-            raise InvalidRequestError(f"{self.name}: page count must be an int, got {num_pages!r}")
-        num_pages = operator.index(num_pages)
+        if type(num_pages) is not int:  # the cache's own calls skip these checks
+            if isinstance(num_pages, (bool, np.bool_)) or not hasattr(num_pages, "__index__"):
+                raise InvalidRequestError(
+                    f"{self.name}: page count must be an int, got {num_pages!r}"
+                )
+            num_pages = operator.index(num_pages)
         if num_pages < 0:
             raise InvalidRequestError(f"{self.name}: page count must be >= 0, got {num_pages}")
-        if num_pages > self.num_free:
-            raise CapacityError(self.name, num_pages, max(self.num_free, 0))
-        if num_pages == 0:
-            return []
-        pages = self._free[-num_pages:][::-1]
-        del self._free[-num_pages:]
+        free = self._free
+        num_free = self.capacity - self.max_pages + len(free)
+        if num_pages > num_free:
+            raise CapacityError(self.name, num_pages, max(num_free, 0))
+        if num_pages <= 1:
+            return [free.pop()] if num_pages else []
+        pages = free[-num_pages:][::-1]
+        del free[-num_pages:]
         return pages
 
     def free(self, pages: list[int]) -> None:

@@ -115,10 +115,18 @@ class ShadowRadixCache(EmbedderVerbs):
             if max_len < 0:
                 raise InvalidRequestError(f"max_len must be >= 0, got {max_len}")
             arr = arr[:max_len]
+        return self._match(arr, self._hashable(namespace))
+
+    @staticmethod
+    def _hashable(namespace: Hashable) -> Hashable:
         try:
             hash(namespace)
         except TypeError:
             raise InvalidRequestError(f"namespace must be hashable, got {namespace!r}") from None
+        return namespace
+
+    def _match(self, arr: np.ndarray, namespace: Hashable) -> MatchResult:
+        """`match_prefix` of validated tokens."""
         root = self._tree.root_of(namespace)
         walk = self._tree.walk(arr, start=root)
         cached_len = walk.num_pages * self.config.page_size
@@ -219,13 +227,14 @@ class ShadowRadixCache(EmbedderVerbs):
         """
         arr = self._as_tokens(tokens, "prompt")
         if match is None:
-            match = self.match_prefix(arr, namespace=namespace)
-        elif namespace is not None and isinstance(match, MatchResult):
-            if namespace != match.namespace:
-                raise InvalidRequestError(
-                    f"namespace {namespace!r} differs from the match's ({match.namespace!r})"
-                )
-        match = self._current_match(arr, match)
+            match = self._match(arr, self._hashable(namespace))  # of ``arr`` itself: current
+        else:
+            if namespace is not None and isinstance(match, MatchResult):
+                if namespace != match.namespace:
+                    raise InvalidRequestError(
+                        f"namespace {namespace!r} differs from the match's ({match.namespace!r})"
+                    )
+            match = self._current_match(arr, match)
         p, w = self.config.page_size, self.config.window
         prefix_pages = match.prefix_len // p
         window_first = max(0, match.prefix_len - w) // p
@@ -234,10 +243,10 @@ class ShadowRadixCache(EmbedderVerbs):
         node = match.node
         if 0 < match.node_pages < node.num_pages:
             node = self._tree.split(node, match.node_pages)
-        request = Request(self, arr, match)
+        path = node.path_from_root()
+        request = Request(self, arr, match, path)
         request.terminal = node
         self._requests[request.id] = request
-        path = node.path_from_root()
         request.vpages = PageTable([n.vpages for n in path])
         request.tree_pages = prefix_pages
         if not node.is_root:
@@ -299,7 +308,7 @@ class ShadowRadixCache(EmbedderVerbs):
                 "this MatchResult was not made by this cache's match_prefix (an altered copy?)"
             )
         n = match.prefix_len
-        if len(arr) < n or not np.array_equal(arr[:n], match.tokens[:n]):
+        if len(arr) < n or not (arr[:n] == match.tokens[:n]).all():
             raise InvalidRequestError("tokens do not start with the matched prefix")
 
     def _tree_swa_pages(self, node: Node, first_page: int, end_page: int) -> list[int]:
@@ -614,8 +623,9 @@ class ShadowRadixCache(EmbedderVerbs):
         full_pages = request.num_committed // p
         if full_pages <= request.tree_pages:
             return False
-        tokens = request.token_array()[: full_pages * p]
-        walk = self._tree.walk(tokens, start=request.terminal, max_pages=full_pages)
+        first = request.terminal.end_page * p  # the tokens before it are the tree's already
+        tokens = request.tokens_from(first)[: full_pages * p - first]
+        walk = self._tree.walk(tokens, request.terminal, full_pages, first)
         node = request.terminal
         for child in walk.nodes:
             node = child
@@ -623,7 +633,7 @@ class ShadowRadixCache(EmbedderVerbs):
                 node = self._tree.split(child, walk.last_pages)
             self._adopt_tree_pages(request, node)
         if node.end_page < full_pages:
-            node = self._grow_tree(request, node, tokens, full_pages)
+            node = self._grow_tree(request, node, tokens[node.end_page * p - first :], full_pages)
         request.tree_pages = full_pages
         old_full, request.terminal = request.full_receipt, node
         request.full_receipt = self._locks.lock_full(node)
@@ -659,11 +669,12 @@ class ShadowRadixCache(EmbedderVerbs):
     def _grow_tree(
         self, request: Request, parent: Node, tokens: np.ndarray, full_pages: int
     ) -> Node:
-        """Hand the request's private pages ``[parent.end_page, full_pages)`` to the tree: as a
-        new leaf, or appended to ``parent`` when that is a leaf this request inserted itself
-        and alone holds (a request's successive inserts make one node, not a chain; another
-        request's node is never extended, so its end stays a node boundary for LRU tiers)."""
-        p, lo = self.config.page_size, parent.end_page
+        """Hand the request's private pages ``[parent.end_page, full_pages)`` (their tokens:
+        ``tokens``) to the tree: as a new leaf, or appended to ``parent`` when that is a leaf
+        this request inserted itself and alone holds (a request's successive inserts make one
+        node, not a chain; another request's node is never extended, so its end stays a node
+        boundary for LRU tiers)."""
+        lo = parent.end_page
         live_lo = max(lo, request.swa_base)
         i0, i1 = live_lo - request.swa_base, full_pages - request.swa_base
         swa = np.zeros(0, dtype=np.int64)
@@ -672,7 +683,7 @@ class ShadowRadixCache(EmbedderVerbs):
             assert all(request.swa_owned[i0:i1]), "private pages beyond the tree must be owned"
             request.swa_owned[i0:i1] = [False] * (i1 - i0)
         vpages = np.asarray(request.vpages.slice(lo, full_pages), dtype=np.int64)
-        new_tokens = tokens[lo * p : full_pages * p].copy()
+        new_tokens = tokens.copy()
         if self._can_extend_own_leaf(request, parent, live_lo == lo):
             self._tree.extend_leaf(parent, new_tokens, vpages, swa)
             return parent

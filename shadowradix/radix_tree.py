@@ -7,7 +7,6 @@ knows page ids; the pools' allocators own them, and the cache moves ids between 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,19 +16,24 @@ from .lru import LruIndex
 from .node import EMPTY, Node
 
 
-@dataclass(frozen=True)
 class Walk:
     """The deepest page-aligned match of a token sequence: ``nodes`` root-down, the last one
     matched on its first ``last_pages`` pages (all of them unless the match ends inside it)."""
 
-    nodes: tuple[Node, ...]
-    last_pages: int
+    __slots__ = ("nodes", "last_pages")
+
+    def __init__(self, nodes: tuple[Node, ...], last_pages: int) -> None:
+        self.nodes = nodes
+        self.last_pages = last_pages
 
     @property
     def num_pages(self) -> int:
         if not self.nodes:
             return 0
         return self.nodes[-1].start_page + self.last_pages
+
+    def __repr__(self) -> str:
+        return f"Walk(nodes={self.nodes!r}, last_pages={self.last_pages})"
 
 
 class RadixTree:
@@ -59,26 +63,28 @@ class RadixTree:
         """Whether ``node`` is one of this tree's namespace roots."""
         return node.id in self._seeds
 
-    def key_at(self, tokens: np.ndarray, page: int) -> tuple[int, ...]:
-        p = self.page_size
-        return tuple(tokens[page * p : (page + 1) * p].tolist())
-
     def walk(
-        self, tokens: np.ndarray, start: Node | None = None, max_pages: int | None = None
+        self,
+        tokens: np.ndarray,
+        start: Node | None = None,
+        max_pages: int | None = None,
+        offset: int = 0,
     ) -> Walk:
-        """Longest page-aligned match of ``tokens`` (absolute positions) below ``start``."""
+        """Longest page-aligned match of ``tokens`` below ``start``. ``tokens[0]`` is at position
+        ``offset`` (at most where ``start`` ends: the tokens before it are not compared)."""
         p = self.page_size
         node = start or self.root
         page = node.end_page
-        limit = len(tokens) // p if max_pages is None else max_pages
+        limit = (offset + len(tokens)) // p if max_pages is None else max_pages
         nodes: list[Node] = []
         last_pages = 0
         while page < limit:
-            child = node.children.get(self.key_at(tokens, page))
+            lo = page * p - offset
+            child = node.children.get(tuple(tokens[lo : lo + p].tolist()))
             if child is None:
                 break
             n = min(child.num_pages, limit - page)
-            same = child.tokens[: n * p] == tokens[page * p : (page + n) * p]
+            same = child.tokens[: n * p] == tokens[lo : lo + n * p]
             common = n if same.all() else int(np.argmin(same)) // p
             nodes.append(child)
             last_pages = common

@@ -6,12 +6,17 @@ A request's tokens split into a tree-owned prefix (full-locked) and a private ta
     vpages     tree (locked path)        private (freed on abort / deduplicated on insert)
     swa        [swa_base ............................................ ) window pages only,
                 each either tree-owned (SWA-locked) or private (``swa_owned``)
+
+Like the page table (`PageTable`), the tokens of the prefix it was admitted with are the path's
+node arrays, shared and never copied (nodes never change their arrays in place); the tokens from
+there on live in the request's own buffer. Admission is then O(path nodes), not O(prefix).
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,6 +43,8 @@ class Request:
         "id",
         "owner",
         "prompt",
+        "_prefix",
+        "_base",
         "_buf",
         "_len",
         "num_draft",
@@ -57,13 +64,19 @@ class Request:
         "approximate",
     )
 
-    def __init__(self, owner: object, prompt: np.ndarray, match: MatchResult) -> None:
+    def __init__(
+        self, owner: object, prompt: np.ndarray, match: MatchResult, path: Sequence[Node] = ()
+    ) -> None:
+        """``path``: the tree nodes holding the matched prefix (``match.prefix_len`` tokens)."""
         self.id = next(_ids)
         self.owner = owner
         self.prompt = prompt
-        self._buf = np.empty(max(2 * len(prompt), 64), dtype=np.int64)
-        self._buf[: match.prefix_len] = prompt[: match.prefix_len]
-        self._len = match.prefix_len
+        #: tokens ``[0, _base)``: the admitted path's node arrays; ``[_base, _len)``: ``_buf``
+        self._prefix = tuple(n.tokens for n in path)
+        self._base = match.prefix_len
+        assert sum(len(t) for t in self._prefix) == self._base
+        self._buf = np.empty(max(2 * (len(prompt) - self._base), 64), dtype=np.int64)
+        self._len = self._base
         self.num_draft = 0
         self.vpages = PageTable()
         self.tree_pages = 0
@@ -91,31 +104,48 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         """All tokens (committed, then draft) as a list: a copy, O(length)."""
-        return self._buf[: self._len].tolist()
+        return self._all().tolist()  # type: ignore[no-any-return]
 
     def token_array(self) -> np.ndarray:
         """All tokens as a read-only view (valid until the next change to the request)."""
-        view = self._buf[: self._len]
+        return self.tokens_from(0)
+
+    def tokens_from(self, start: int) -> np.ndarray:
+        """Tokens ``[start, length)`` as a read-only array (valid until the next change): a
+        view, O(1), when ``start`` is past the admitted prefix."""
+        base = self._base
+        view = self._buf[start - base : self._len - base] if start >= base else self._all()[start:]
         view.flags.writeable = False
         return view
 
+    def _all(self) -> np.ndarray:
+        own = self._buf[: self._len - self._base]
+        return np.concatenate((*self._prefix, own)) if self._prefix else own
+
     def _append(self, tokens: np.ndarray | list[int]) -> None:
-        end = self._len + len(tokens)
+        i = self._len - self._base
+        end = i + len(tokens)
         if end > len(self._buf):
             grown = np.empty(max(2 * len(self._buf), end), dtype=np.int64)
-            grown[: self._len] = self._buf[: self._len]
+            grown[:i] = self._buf[:i]
             self._buf = grown
-        self._buf[self._len : end] = tokens
-        self._len = end
+        self._buf[i:end] = tokens
+        self._len += len(tokens)
 
     def _append_one(self, token: int) -> None:
-        if self._len == len(self._buf):
+        i = self._len - self._base
+        if i == len(self._buf):
             self._append([token])
             return
-        self._buf[self._len] = token
+        self._buf[i] = token
         self._len += 1
 
     def _truncate(self, length: int) -> None:
+        if length < self._base:  # below the shared prefix: keep a private copy from now on
+            tokens = self._all()
+            self._buf = np.empty(max(2 * len(tokens), 64), dtype=np.int64)
+            self._buf[: len(tokens)] = tokens
+            self._prefix, self._base = (), 0
         self._len = length
 
     @property
