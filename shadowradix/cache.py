@@ -736,12 +736,14 @@ class ShadowRadixCache(EmbedderVerbs):
         return report
 
     def _ensure_capacity(self, full_pages: int, swa_pages: int) -> None:
-        for pool, alloc, evictable, need in (
-            ("full", self._full, self._index.full_evictable, full_pages),
-            ("swa", self._swa, self._index.swa_evictable, swa_pages),
-        ):
-            if need > alloc.num_free + evictable:
-                raise CapacityError(pool, need, alloc.num_free + evictable)
+        if full_pages > self._full.num_free:
+            available = self._full.num_free + self._index.full_evictable
+            if full_pages > available:
+                raise CapacityError("full", full_pages, available)
+        if swa_pages > self._swa.num_free:
+            available = self._swa.num_free + self._index.swa_evictable
+            if swa_pages > available:
+                raise CapacityError("swa", swa_pages, available)
 
     def _make_room(self, full_pages: int, swa_pages: int) -> EvictionReport:
         """Evict from each pool only what it lacks (the pool that failed is the one evicted)."""

@@ -14,6 +14,12 @@ locked, tombstoned or removed since) is stale and skipped when it reaches the to
 change costs one C-level ``heappush`` and nothing for the key it replaces, a lookup of the
 oldest pops the stale entries above it, and the heap is compacted when stale entries outnumber
 live ones (amortised O(1) per change; nothing is rebuilt per operation).
+
+`update` only notes that a node changed; its keys and counts are re-derived when the index is
+next read (an eviction, a capacity check, the counts, `check_invariants`), once however often
+it changed in between (a request's admission, inserts and release touch the same few nodes
+several times). The result is the same as re-deriving at every change: keys depend only on
+the node's state at the time they are read.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from .errors import require
 from .node import Node
 
 _NO_ACCT = (0, 0, 0, 0)
-#: compact a heap once it holds this many entries more than twice its live keys
+#: compact a heap once it holds this many entries more than twice the live keys
 _SLACK = 1024
 
 
@@ -33,15 +39,62 @@ class LruIndex:
         self.page_size = page_size
         self.window = window
         #: heaps of ``(last_access, id)`` and ``(tier, last_access, id)``, stale entries included
-        self.full: list[tuple[int, ...]] = []
-        self.swa: list[tuple[int, ...]] = []
-        self.nodes: dict[int, Node] = {}
-        self.full_evictable = 0
-        self.full_protected = 0
-        self.swa_evictable = 0
-        self.swa_protected = 0
+        self._full: list[tuple[int, ...]] = []
+        self._swa: list[tuple[int, ...]] = []
+        self._nodes: dict[int, Node] = {}
+        self._dirty: dict[int, Node] = {}
+        #: full evictable, full protected, SWA evictable, SWA protected pages
+        self._counts = [0, 0, 0, 0]
         self._live_full = 0
         self._live_swa = 0
+
+    # -- what the cache reads (each brings the index up to date first) -------------------------
+
+    @property
+    def full_evictable(self) -> int:
+        self.flush()
+        return self._counts[0]
+
+    @property
+    def full_protected(self) -> int:
+        self.flush()
+        return self._counts[1]
+
+    @property
+    def swa_evictable(self) -> int:
+        self.flush()
+        return self._counts[2]
+
+    @property
+    def swa_protected(self) -> int:
+        self.flush()
+        return self._counts[3]
+
+    @property
+    def nodes(self) -> dict[int, Node]:
+        """The indexed nodes by id (every node of the tree)."""
+        self.flush()
+        return self._nodes
+
+    @property
+    def full(self) -> list[tuple[int, ...]]:
+        """The full pool's heap (stale entries included)."""
+        self.flush()
+        return self._full
+
+    @property
+    def swa(self) -> list[tuple[int, ...]]:
+        """The SWA pool's heap (stale entries included)."""
+        self.flush()
+        return self._swa
+
+    def oldest_full_leaf(self) -> Node | None:
+        self.flush()
+        return self._oldest(self._full)
+
+    def oldest_swa(self) -> Node | None:
+        self.flush()
+        return self._oldest(self._swa)
 
     def tiers(self, node: Node) -> tuple[int, int, int]:
         """``(tier0_end, tier1_end, live_from)``: evictable SWA is ``[live_from, tier1_end)``."""
@@ -54,11 +107,37 @@ class LruIndex:
         first = ((start + nv) * p - self.window) // p - start
         return min(max(first, live_from), protect), protect, live_from
 
+    # -- changes -------------------------------------------------------------------------------
+
     def update(self, node: Node) -> None:
-        """Re-derive the node's keys and page counts after any change to it."""
+        """Note a change to ``node`` (its keys and counts are re-derived before the next read)."""
+        self._dirty[node.id] = node
+
+    def remove(self, node: Node) -> None:
+        """Stop tracking ``node`` (its heap entries go stale)."""
+        self._dirty.pop(node.id, None)
+        for key in node.lru_keys:
+            if len(key) == 2:
+                self._live_full -= 1
+            else:
+                self._live_swa -= 1
+        node.lru_keys = ()
+        counts, a = self._counts, node.acct
+        for i in range(4):
+            counts[i] -= a[i]
+        node.acct = _NO_ACCT
+        self._nodes.pop(node.id, None)
+
+    def flush(self) -> None:
+        """Re-derive every node changed since the last read."""
+        while self._dirty:
+            dirty, self._dirty = self._dirty, {}
+            for node in dirty.values():
+                self._refresh(node)
+
+    def _refresh(self, node: Node) -> None:
         if node.parent is None:
             return
-        # `tiers`, inlined: this runs on every touch, lock change, insert and eviction
         nv, start = len(node.vpages), node.start_page
         live_from = nv - len(node.swa_pages)
         protect = nv
@@ -79,80 +158,57 @@ class LruIndex:
         if not locked and not node.children:
             keys = ((stamp, nid), *keys)
         old, old_acct = node.lru_keys, node.acct
-        if keys == old and acct == old_acct and nid in self.nodes:
+        if keys == old and acct == old_acct and nid in self._nodes:
             return
-        self.nodes[nid] = node
+        self._nodes[nid] = node
         node.lru_keys, node.acct = keys, acct
-        self.full_evictable += acct[0] - old_acct[0]
-        self.full_protected += acct[1] - old_acct[1]
-        self.swa_evictable += acct[2] - old_acct[2]
-        self.swa_protected += acct[3] - old_acct[3]
+        counts = self._counts
+        for i in range(4):
+            counts[i] += acct[i] - old_acct[i]
         for key in old:
             if len(key) == 2:
                 self._live_full -= 1
             else:
                 self._live_swa -= 1
         for key in keys:
-            heap = self.full if len(key) == 2 else self.swa
-            if heap is self.full:
+            full = len(key) == 2
+            if full:
                 self._live_full += 1
             else:
                 self._live_swa += 1
             if key not in old:
+                heap = self._full if full else self._swa
                 heappush(heap, key)
                 if len(heap) > 2 * (self._live_full + self._live_swa) + _SLACK:
-                    self._compact(heap)
+                    heap[:] = set(filter(self._is_live, heap))  # compact: drop stale entries
+                    heapify(heap)
 
-    def remove(self, node: Node) -> None:
-        """Stop tracking ``node`` (its heap entries go stale)."""
-        for key in node.lru_keys:
-            if len(key) == 2:
-                self._live_full -= 1
-            else:
-                self._live_swa -= 1
-        node.lru_keys = ()
-        a = node.acct
-        self.full_evictable -= a[0]
-        self.full_protected -= a[1]
-        self.swa_evictable -= a[2]
-        self.swa_protected -= a[3]
-        node.acct = _NO_ACCT
-        self.nodes.pop(node.id, None)
+    # -- lookups -------------------------------------------------------------------------------
 
     def _is_live(self, key: tuple[int, ...]) -> bool:
-        node = self.nodes.get(key[-1])
+        node = self._nodes.get(key[-1])
         return node is not None and key in node.lru_keys
 
     def _oldest(self, heap: list[tuple[int, ...]]) -> Node | None:
         while heap:
             key = heap[0]
-            node = self.nodes.get(key[-1])
+            node = self._nodes.get(key[-1])
             if node is not None and key in node.lru_keys:
                 return node
             heappop(heap)
         return None
 
-    def oldest_full_leaf(self) -> Node | None:
-        return self._oldest(self.full)
-
-    def oldest_swa(self) -> Node | None:
-        return self._oldest(self.swa)
-
-    def _compact(self, heap: list[tuple[int, ...]]) -> None:
-        """Drop the stale entries (and duplicates) of ``heap``."""
-        heap[:] = set(filter(self._is_live, heap))
-        heapify(heap)
-
     def live_keys(self) -> tuple[set[tuple[int, ...]], set[tuple[int, ...]]]:
         """The current (full, SWA) keys, stale heap entries left out."""
-        return set(filter(self._is_live, self.full)), set(filter(self._is_live, self.swa))
+        self.flush()
+        return set(filter(self._is_live, self._full)), set(filter(self._is_live, self._swa))
 
     def check_invariants(self, nodes: list[Node]) -> None:
         """Recompute every key and count from the nodes themselves and compare."""
-        saved = {n.id: (n.acct, n.lru_keys) for n in nodes}
         full_keys, swa_keys = self.live_keys()
-        totals = (self.full_evictable, self.full_protected, self.swa_evictable, self.swa_protected)
-        require(set(self.nodes) == {n.id for n in nodes}, "LRU index tracks the wrong node set")
+        saved = {n.id: (n.acct, n.lru_keys) for n in nodes}
+        totals = tuple(self._counts)
+        require(set(self._nodes) == {n.id for n in nodes}, "LRU index tracks the wrong node set")
         held = [k for n in nodes for k in n.lru_keys]
         require(
             len(full_keys) + len(swa_keys) == len(held) == self._live_full + self._live_swa,
@@ -166,16 +222,7 @@ class LruIndex:
             want_full, want_swa = shadow.live_keys()
             require(want_full == full_keys, "full LRU keys are stale")
             require(want_swa == swa_keys, "SWA LRU keys are stale")
-            require(
-                totals
-                == (
-                    shadow.full_evictable,
-                    shadow.full_protected,
-                    shadow.swa_evictable,
-                    shadow.swa_protected,
-                ),
-                "evictable / protected page counts drifted",
-            )
+            require(totals == tuple(shadow._counts), "evictable / protected page counts drifted")
         finally:
             for n in nodes:
                 n.acct, n.lru_keys = saved[n.id]

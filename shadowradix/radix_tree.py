@@ -220,6 +220,7 @@ class RadixTree:
 
     def check_invariants(self) -> None:
         p = self.page_size
+        self.index.flush()  # the node keys read below are re-derived lazily
         for n in self.nodes():
             parent = n.parent
             require(parent is not None and parent.children.get(n.key) is n, f"{n}: detached")
