@@ -1,0 +1,278 @@
+"""A vLLM-shaped KV-cache manager over `ShadowRadixCache`: the method names and semantics of
+vLLM 0.33's ``KVCacheManager``, with arguments and results as records of our own
+(`vllm_types`; no vllm import).
+
+How vLLM's scheduler calls it, and what each call does here::
+
+    blocks, n = get_computed_blocks(request)        waiting request: pure lookup, leaving the
+                                                    last token to compute
+    new = allocate_slots(request, k, n, blocks)     admit at that hit and compute k tokens, or
+                                                    None (nothing admitted): try later
+    new = allocate_slots(request, k)                running request: first publish what its
+                                                    earlier steps computed (cache_unfinished),
+                                                    then k more tokens, or None: preempt
+    free(request)                                   finished or preempted: insert and release
+
+vLLM caches a block as soon as it is scheduled; shadowradix inserts only computed pages, so a
+running request's pages are inserted at its next ``allocate_slots`` (its previous step has run
+by then) and at ``free``. A request preempted before its scheduled step ran
+(``num_computed_tokens`` still short of what was allocated) is aborted instead: the step's
+tokens were never computed, and what it inserted earlier stays cached.
+
+Block tables, groups and events: `vllm_types` and `vllm_events`. Speculative lookahead, KV
+connectors and encoder tokens are not supported (`InvalidRequestError`); use the core's
+``extend_draft`` / ``rollback`` for drafts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..cache import ShadowRadixCache
+from ..config import CacheConfig
+from ..errors import CapacityError, InvalidRequestError
+from ..locks import Pool
+from ..request import Request as CoreRequest
+from ..results import Allocation
+from ..results import MatchResult as CoreMatch
+from .admission import admit_and_extend
+from .paths import prefix_vpages, window_swa_pages
+from .vllm_events import EventTranslator
+from .vllm_types import (
+    AllBlocksCleared,
+    BlockIds,
+    KVCacheBlocks,
+    KVCacheEvent,
+    KVCacheGroup,
+    PrefixCacheStats,
+    Request,
+    TableDelta,
+)
+
+__all__ = ["ShadowRadixKVCacheManager", "Request", "KVCacheBlocks"]
+
+_Tables = tuple[list[int | None], list[int | None]]
+
+
+class ShadowRadixKVCacheManager:
+    """``KVCacheManager`` over a `ShadowRadixCache` made from ``config`` (``.cache``)."""
+
+    def __init__(
+        self, config: CacheConfig, *, log_stats: bool = False, enable_kv_cache_events: bool = False
+    ) -> None:
+        self.cache = ShadowRadixCache(config, kv_events=enable_kv_cache_events)
+        self.log_stats = log_stats
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_cache_groups = (
+            KVCacheGroup("full", Pool.FULL, config.page_size, None, config.ratios),
+            KVCacheGroup("swa", Pool.SWA, config.page_size, config.window, config.ratios),
+        )
+        self.num_kv_cache_groups = len(self.kv_cache_groups)
+        self._p = config.page_size
+        self._running: dict[str, CoreRequest] = {}
+        self._tables: dict[str, _Tables] = {}  # what the engine was last told
+        self._events = EventTranslator(config.page_size)
+        self._stats = [False, 0, 0, 0, 0, 0, 0]  # PrefixCacheStats fields, in order
+
+    @property
+    def usage(self) -> float:
+        """Used fraction of the full (virtual) pool."""
+        return self.cache.stats().full.used_fraction
+
+    # -- lookup and allocation -------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The cached prefix a waiting request can resume after (whole pages, at most
+        ``num_tokens - 1``), and its length. Pure."""
+        tokens = _tokens_of(request)
+        match = self.cache.match_prefix(tokens, len(tokens) - 1, namespace=request.namespace)
+        hit = tuple(tuple(t) for t in _hit_tables(match, self.cache.config))
+        return KVCacheBlocks(hit, match=match), match.prefix_len
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Slots for the next ``num_new_tokens`` of ``request``: the blocks allocated now, or
+        ``None`` when the pools cannot supply them even after evicting (nothing changed, but a
+        running request's earlier steps got published). A waiting request is admitted at
+        ``new_computed_blocks`` (from `get_computed_blocks`; ``num_new_computed_tokens`` must be
+        its length) or, without it, from scratch. Bad input raises `InvalidRequestError`."""
+        n = _count(num_new_tokens, "num_new_tokens", minimum=1)
+        for name, value in (("num_lookahead_tokens", num_lookahead_tokens),
+                            ("num_external_computed_tokens", num_external_computed_tokens),
+                            ("num_encoder_tokens", num_encoder_tokens)):  # fmt: skip
+            if _count(value, name, minimum=0):
+                raise InvalidRequestError(f"{name} is not supported by this shim")
+        tokens = _tokens_of(request)
+        kv = self._running.get(request.request_id)
+        if kv is None:
+            return self._admit(request, tokens, n, num_new_computed_tokens, new_computed_blocks)
+        if request.num_computed_tokens != kv.length:
+            raise InvalidRequestError(
+                f"{request.request_id}: {request.num_computed_tokens} computed tokens, "
+                f"but {kv.length} were allocated"
+            )
+        chunk = _span(tokens, kv.length, n)
+        if not delay_cache_blocks and kv.num_committed // self._p > kv.tree_pages:
+            self.cache.cache_unfinished(kv)  # its previous steps have run: publish them
+            self._drain(kv)
+        if not self.cache.can_extend([kv], [n]):
+            return None
+        allocation = self.cache.extend(kv, chunk)
+        self._drain(None)
+        return self._report(request.request_id, kv, allocation, None)
+
+    def _admit(
+        self,
+        request: Request,
+        tokens: list[int],
+        n: int,
+        num_computed: int,
+        computed: KVCacheBlocks | None,
+    ) -> KVCacheBlocks | None:
+        if request.num_computed_tokens != 0:
+            raise InvalidRequestError(f"{request.request_id} is not running: 0 tokens computed")
+        if computed is None:
+            match = self.cache.match_prefix(tokens, 0, namespace=request.namespace)
+        elif isinstance(computed, KVCacheBlocks) and isinstance(computed.match, CoreMatch):
+            match = computed.match
+        else:
+            raise InvalidRequestError("new_computed_blocks must come from get_computed_blocks")
+        if num_computed != match.prefix_len:
+            raise InvalidRequestError(
+                f"num_new_computed_tokens={num_computed}, the computed blocks hold "
+                f"{match.prefix_len}"
+            )
+        chunk = _span(tokens, match.prefix_len, n)
+        try:
+            kv, allocation = admit_and_extend(self.cache, tokens, match, chunk)
+        except CapacityError:
+            return None
+        self._running[request.request_id] = kv
+        # what the engine holds: the hit's blocks as reported at lookup (the prefix's pages are
+        # fixed while the match is valid; reading them through its node now would not be)
+        hit = computed.blocks if computed is not None else ((), ())
+        self._tables[request.request_id] = (list(hit[0]), list(hit[1]))
+        self._record(request, match.hit_len)
+        self._drain(None)
+        return self._report(request.request_id, kv, allocation, kv.replay_allocation)
+
+    def free(self, request: Request) -> None:
+        """Release a finished or preempted request: insert its computed pages and release the
+        rest (abort if its last allocation was never computed). Unknown requests: no-op."""
+        kv = self._running.pop(request.request_id, None)
+        if kv is None:
+            return
+        del self._tables[request.request_id]
+        if request.num_computed_tokens >= kv.length:
+            self.cache.finish(kv)
+        else:
+            self.cache.abort(kv)
+        self._drain(kv)
+
+    # -- tables ------------------------------------------------------------------------------
+
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        """Each group's block table of a running request (`vllm_types` on the layout)."""
+        return _tables_of(self.kv_request(request_id))
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(tuple(t) for t in self.get_block_ids(request_id)))
+
+    def kv_request(self, request_id: str) -> CoreRequest:
+        """The core request behind a running ``request_id`` (for read plans)."""
+        kv = self._running.get(request_id)
+        if kv is None:
+            raise InvalidRequestError(f"{request_id!r} has no slots allocated")
+        return kv
+
+    def _report(
+        self, rid: str, kv: CoreRequest, allocation: Allocation, replay: Allocation | None
+    ) -> KVCacheBlocks:
+        before, now = self._tables[rid], _tables_of(kv)
+        self._tables[rid] = now
+        new = tuple(tuple(t[len(b) :]) for b, t in zip(before, now))
+        deltas = tuple(_delta(b, t) for b, t in zip(before, now))
+        return KVCacheBlocks(new, deltas, allocation, replay)
+
+    # -- events, reset, stats ----------------------------------------------------------------
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self._events.events = self._events.events, []
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix; ``False`` (nothing changed) while requests hold slots."""
+        try:
+            self.cache.reset()
+        except InvalidRequestError:
+            return False
+        if self.enable_kv_cache_events:
+            self.cache.take_events()  # the per-page EVICTED events: one AllBlocksCleared instead
+            self._events.clear()
+            self._events.events.append(AllBlocksCleared())
+        self._stats[0] = True
+        return True
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The stats since the last call (and start afresh); ``None`` unless ``log_stats``."""
+        if not self.log_stats:
+            return None
+        reset, *counts = self._stats
+        self._stats = [False, 0, 0, 0, 0, 0, 0]
+        return PrefixCacheStats(bool(reset), *(int(c) for c in counts))
+
+    def _record(self, request: Request, hits: int) -> None:
+        base = 4 if request.num_preemptions > 0 else 1
+        self._stats[base] += 1
+        self._stats[base + 1] += request.num_tokens
+        self._stats[base + 2] += hits
+
+    def _drain(self, request: CoreRequest | None) -> None:
+        if self.enable_kv_cache_events:
+            self._events.add(self.cache.take_events(), request)
+
+
+def _tokens_of(request: Request) -> list[int]:
+    if not isinstance(request, Request):
+        raise InvalidRequestError(f"expected a Request, got {type(request).__name__}")
+    return request.all_token_ids
+
+
+def _count(value: object, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise InvalidRequestError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _span(tokens: list[int], start: int, n: int) -> list[int]:
+    if start + n > len(tokens):
+        raise InvalidRequestError(f"{n} tokens from {start} run past the request's {len(tokens)}")
+    return tokens[start : start + n]
+
+
+def _tables_of(kv: CoreRequest) -> _Tables:
+    swa: list[int | None] = [None] * kv.swa_base
+    return list(kv.vpages), swa + list(kv.swa_pages)
+
+
+def _hit_tables(match: CoreMatch, config: CacheConfig) -> _Tables:
+    """The tables a request admitted at ``match`` starts with (its hit's blocks)."""
+    first = max(0, match.prefix_len - config.window) // config.page_size
+    swa: list[int | None] = [None] * first
+    return list(prefix_vpages(match)), swa + list(window_swa_pages(match, first))
+
+
+def _delta(before: list[int | None], now: list[int | None]) -> TableDelta:
+    first = next((i for i, (a, b) in enumerate(zip(before, now)) if a != b), None)
+    if first is None:
+        first = min(len(before), len(now))
+    return TableDelta(first, tuple(now[first:]))
