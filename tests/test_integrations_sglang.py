@@ -329,6 +329,10 @@ def test_bad_input_is_typed_and_changes_nothing() -> None:
         lambda: tree.alloc_for_extend(Req("c", [1, 2, 3]), 9),
         lambda: tree.alloc_for_decode([req]),  # its prompt is not computed yet
         lambda: tree.cache_unfinished_req(Req("d", [1])),
+        lambda: tree.alloc_for_extend("req", 1),  # type: ignore[arg-type]
+        lambda: tree.can_alloc_for_extend("req", 1),  # type: ignore[arg-type]
+        lambda: tree.cache_finished_req("req"),  # type: ignore[arg-type]
+        lambda: tree.check_decode_mem([Req("e", [1])]),
         lambda: tree.inc_lock_ref("node"),  # type: ignore[arg-type]
         lambda: tree.evict(EvictParams(num_tokens=-1)),
         lambda: tree.insert(InsertParams(RadixKey([-1]))),

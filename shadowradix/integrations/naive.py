@@ -133,9 +133,11 @@ class NaivePrefixCache:
 
     def can_extend(self, request: NaiveRequest, num_tokens: int) -> bool:
         self._check_active(request)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
             raise InvalidRequestError(f"num_tokens must be a positive int, got {num_tokens!r}")
-        return self._pages_needed(request, num_tokens) <= len(self._free) + self._evictable()
+        if num_tokens < 1:
+            raise InvalidRequestError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        return self._pages_needed(request, int(num_tokens)) <= len(self._free) + self._evictable()
 
     def extend(self, request: NaiveRequest, tokens: TokenInput) -> tuple[int, ...]:
         self._check_active(request)
@@ -203,7 +205,9 @@ class NaivePrefixCache:
     # -- eviction, locks, sizes ------------------------------------------------------------
 
     def evict(self, num_tokens: int) -> int:
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise InvalidRequestError("eviction size must be a non-negative int (tokens)")
+        if num_tokens < 0:
             raise InvalidRequestError("eviction size must be a non-negative int (tokens)")
         freed = 0
         while freed * self._p < num_tokens and self._evict_one():

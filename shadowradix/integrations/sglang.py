@@ -106,17 +106,21 @@ class ShadowRadixSGLangCache:
     def can_alloc_for_extend(self, req: Req, num_tokens: int) -> ExtendCheck:
         """Whether `alloc_for_extend(req, num_tokens)` would go through now (changes nothing
         but, for a request not yet admitted, possibly a node split where its match ends)."""
-        n = _positive(num_tokens)
-        if req.kv is not None and req.kv.is_active:
-            return self.cache.can_extend([req.kv], [n])
+        n, kv = _positive(num_tokens), _checked(req).kv
+        if kv is not None and kv.is_active:
+            return self.cache.can_extend([kv], [n])
         return admission_check(self.cache, self._match_for(req), n)
 
     def alloc_for_extend(self, req: Req, num_tokens: int) -> Allocation:
         """Compute the next ``num_tokens`` of ``req.fill_ids``: admit it first if it is not
         running (at ``req.last_node``'s match, or a fresh one leaving the last token to
-        compute), releasing ``req.lock_result``. Raises `CapacityError` or
-        `InvalidRequestError` changing nothing (for an admission, but a node split)."""
-        n, fill = _positive(num_tokens), req.fill_ids
+        compute), releasing ``req.lock_result``. An admission whose match replays its window
+        leaves the rebuild in ``req.kv.replay_allocation``: run it first.
+
+        Raises `CapacityError` or `InvalidRequestError` changing nothing (for an admission,
+        but a node split), `StaleMatchError` if the tree changed under the match in a way that
+        moves it (an unpinned match lost pages to eviction): match again."""
+        n, fill = _positive(num_tokens), _checked(req).fill_ids
         if req.kv is not None and req.kv.is_active:
             start = req.kv.length
             _check_span(fill, start, n)
@@ -160,12 +164,14 @@ class ShadowRadixSGLangCache:
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         """Insert the computed pages (unless ``is_insert=False``: a retraction) and release
-        the request's locks and private pages, and ``req.lock_result`` if still held."""
-        if req.kv is not None:
+        the request's locks and private pages, and ``req.lock_result`` if still held.
+        `InvalidRequestError` for a request finished already."""
+        kv = _checked(req).kv
+        if kv is not None:
             if is_insert:
-                self.cache.finish(req.kv)
+                self.cache.finish(kv)
             else:
-                self.cache.abort(req.kv)
+                self.cache.abort(kv)
         self._release_scheduler_lock(req)
 
     def insert(self, params: InsertParams) -> InsertResult:
@@ -254,9 +260,7 @@ class ShadowRadixSGLangCache:
         req.lock_result = None
 
     def _match_for(self, req: Req) -> CoreMatch:
-        if not isinstance(req, Req):
-            raise InvalidRequestError(f"expected a Req, got {type(req).__name__}")
-        node = req.last_node
+        node = _checked(req).last_node
         if node is not None and node.match is not None:
             return node.match
         fill = req.fill_ids
@@ -281,6 +285,12 @@ def _check_span(fill: list[int], start: int, n: int) -> None:
         raise InvalidRequestError(
             f"{n} tokens from {start} run past the request's {len(fill)} tokens"
         )
+
+
+def _checked(req: Req) -> Req:
+    if not isinstance(req, Req):
+        raise InvalidRequestError(f"expected a Req, got {type(req).__name__}")
+    return req
 
 
 def _running(req: Req) -> Request:
