@@ -141,3 +141,13 @@ def test_least_recently_used_prefix_goes_first(cache: PrefixCache[object]) -> No
         cache.finish(r)
     assert cache.evict(2) >= 2
     assert cache.match(b).cached_len < 4 and cache.match(a).cached_len == 4
+
+
+@pytest.mark.parametrize("cache", _implementations(), ids=["shadowradix", "naive"])
+def test_an_empty_hit_stays_usable_after_the_cache_changed(cache: PrefixCache[object]) -> None:
+    hit = cache.match([5], 0)  # a one-token prompt: nothing to match
+    other = cache.admit([1, 2, 3, 4, 9])
+    cache.extend(other, [1, 2, 3, 4, 9])  # type: ignore[attr-defined]
+    cache.finish(other)  # the cache changed since the hit
+    r = cache.admit([5], hit)
+    assert cache.extend(r, [5]) and cache.page_table(r)

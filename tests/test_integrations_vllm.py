@@ -306,6 +306,7 @@ def test_bad_input_is_typed_and_changes_nothing() -> None:
         lambda: mgr.allocate_slots(Request("c", [1, 2, 3]), 2, 0, KVCacheBlocks(((), ()))),
         lambda: mgr.get_computed_blocks("a"),  # type: ignore[arg-type]
         lambda: mgr.get_block_ids("nobody"),
+        lambda: mgr.free("a"),  # type: ignore[arg-type]
     ]
     for call in calls:
         with pytest.raises(InvalidRequestError):

@@ -42,9 +42,12 @@ class ShadowRadixPrefixCache:
     def admit(self, tokens: TokenInput, hit: PrefixHit | None = None) -> Request:
         if hit is None:
             return self.cache.admit(tokens)
-        if not isinstance(hit, PrefixHit) or not isinstance(hit.source, MatchResult):
+        match = hit.source if isinstance(hit, PrefixHit) else None
+        if not isinstance(match, MatchResult) or match.owner is not self.cache:
             raise InvalidRequestError("not a PrefixHit of this cache")
-        return self.cache.admit(tokens, hit.source)  # the core checks it is this cache's
+        if match.prefix_len == 0:  # reuses nothing: a fresh empty match (see admission.py)
+            match = self.cache.match_prefix(tokens, 0, namespace=match.namespace)
+        return self.cache.admit(tokens, match)
 
     def can_extend(self, request: Request, num_tokens: int) -> bool:
         return self.cache.can_extend([request], [num_tokens]).ok

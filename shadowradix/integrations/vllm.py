@@ -168,6 +168,7 @@ class ShadowRadixKVCacheManager:
     def free(self, request: Request) -> None:
         """Release a finished or preempted request: insert its computed pages and release the
         rest (abort if its last allocation was never computed). Unknown requests: no-op."""
+        _tokens_of(request)  # a Request, or InvalidRequestError
         kv = self._running.pop(request.request_id, None)
         if kv is None:
             return
