@@ -72,8 +72,9 @@ class Admission(RunnerBase):
         self.memory.check(total, 1 + self.spec_tokens)
         return tokens
 
-    #: In-batch prefix sharing: a waiting request whose prompt shares more than a page beyond
-    #: its cached hit with a running request's prompt that is still being prefilled waits
+    #: In-batch prefix sharing: a waiting request whose prompt shares at least a page and 32
+    #: tokens (SGLang's in-batch check threshold) beyond its cached hit with a running
+    #: request's prompt that is still being prefilled waits
     #: (`_waits_for_a_prefill`); the running request publishes every chunk, so it is then
     #: admitted onto the whole shared prefix instead of computing it a second time.
     share_prefills: bool = True
@@ -105,11 +106,12 @@ class Admission(RunnerBase):
         self._waiting.extendleft(reversed(deferred))  # first in the queue, in their order
 
     def _waits_for_a_prefill(self, seq: _Seq, hit_len: int) -> bool:
-        """Whether a running request, still prefilling, has yet to compute more than a page of
-        ``seq``'s prompt beyond its cached ``hit_len`` (their prompts' common prefix)."""
+        """Whether a running request, still prefilling, has yet to compute at least a page and
+        32 tokens of ``seq``'s prompt beyond its cached ``hit_len`` (of their prompts' common
+        prefix)."""
         if not self.share_prefills:
             return False
-        page = self.cache.config.page_size
+        page = max(self.cache.config.page_size, 32)
         for other in self._running:
             if other.decoding or other.req.length >= len(other.result.prompt):
                 continue

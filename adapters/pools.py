@@ -96,6 +96,12 @@ def bytes_per_token(
     return TokenBytes(compressed=compressed, index=index, swa=swa, rings=rings)
 
 
+def check_cache_matches(model: ModelConfig, cache: CacheConfig) -> None:
+    """Raises `ValueError` unless ``cache`` has the model's window and compress ratios."""
+    if cache.window != model.window or cache.compress_ratios != model.compress_ratios:
+        raise ValueError("cache config does not match the model (window / compress_ratios)")
+
+
 def pool_bytes(
     model: ModelConfig,
     cache: CacheConfig,
@@ -104,7 +110,9 @@ def pool_bytes(
     swa_format: CacheFormat = CacheFormat.BF16,
 ) -> int:
     """What `KVPools` will allocate for these pools, to within their sentinel rows and the MTP
-    layer (known before anything is allocated: `device.check_pools_fit`)."""
+    layer (known before anything is allocated: `device.check_pools_fit`). Raises `ValueError`
+    for a cache config that does not match the model."""
+    check_cache_matches(model, cache)
     per = bytes_per_token(model, cache, dtype, index_format, swa_format)
     return int(cache.full_capacity * per.per_cached_token + cache.swa_capacity * per.per_swa_token)
 
@@ -143,8 +151,7 @@ class KVPools:
     ) -> None:
         if swa_format is CacheFormat.FP4:
             raise ValueError("FP4 window KV is not supported (FP4 is a V4.1 indexer-key format)")
-        if cache.window != model.window or cache.compress_ratios != model.compress_ratios:
-            raise ValueError("cache config does not match the model (window / compress_ratios)")
+        check_cache_matches(model, cache)
         self.model, self.cache = model, cache
         self.device, self.dtype = torch.device(device), dtype
         self.state_dtype = torch.float64 if dtype == torch.float64 else torch.float32

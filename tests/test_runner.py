@@ -87,6 +87,7 @@ def make_runner():
         chunk=37,
         max_running=8,
         graph_decode=False,
+        share_prefills=True,
         **cache_kw,
     ) -> Runner:
         cc = cfg.cache_config(
@@ -107,6 +108,7 @@ def make_runner():
             graph_decode=graph_decode,
         )
         assert (r.decoder is not None) == graph_decode
+        r.share_prefills = share_prefills
         made.append(r)
         return r
 
@@ -277,7 +279,9 @@ def test_eviction_and_preemption_pressure(
 ) -> None:
     """Pools barely above one request's need (page 16: a 200-token request + 8 new tokens needs
     13 full pages; one chunk of 37 plus the 128-window needs ~15 SWA pages): requests are
-    preempted and cached prefixes evicted, yet outputs equal the reference."""
+    preempted and cached prefixes evicted, yet outputs equal the reference. In-batch prefix
+    sharing is off: with it the others wait for the first one's system prompt and the pools
+    never run short (`test_prefix_sharing` covers it)."""
     rng = np.random.default_rng(5)
     system = rand_tokens(rng, 150)
     prompts = [system + rand_tokens(rng, int(k)) for k in rng.integers(5, 50, 6)]
@@ -287,6 +291,7 @@ def test_eviction_and_preemption_pressure(
         chunk=37,
         max_running=4,
         graph_decode=graph_decode,
+        share_prefills=False,
     )
     results = runner.generate(prompts, SamplingParams(max_new_tokens=8))
     check_greedy(results, prompts, 8)
@@ -336,7 +341,7 @@ def test_sampling_preempted_requests_reproducible(make_runner) -> None:
     system = rand_tokens(rng, 150)
     prompts = [system + rand_tokens(rng, k) for k in (5, 20, 35, 49)]
     params = [SamplingParams(max_new_tokens=8, temperature=0.9, seed=i) for i in range(4)]
-    tight = make_runner(full_pages=14, swa_pages=15, chunk=37, max_running=4)
+    tight = make_runner(full_pages=14, swa_pages=15, chunk=37, max_running=4, share_prefills=False)
     res_tight = tight.generate(prompts, params)
     assert tight.stats.preemptions > 0
     roomy = make_runner(full_pages=100, swa_pages=40, chunk=37, max_running=4)

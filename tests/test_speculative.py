@@ -269,6 +269,7 @@ def test_preemption_under_speculation(make_runner) -> None:
     r = make_runner(
         page=4, full_pages=16, swa_pages=9, k=4, draft=OracleDraft(table(), 0.7), max_running=4
     )
+    r.share_prefills = False  # the prompts' common prefix would be prefilled once, no pressure
     outs = r.generate(PROMPTS, params)
     assert [o.output for o in outs] == [ref(p) for p in PROMPTS]
     assert r.stats.preemptions > 0
@@ -463,6 +464,7 @@ class BadDraft(OracleDraft):
 )
 def test_bad_drafts_raise_draft_error_before_touching_the_cache(make_runner, bad) -> None:
     r = make_runner(k=3, chunk=16, draft=BadDraft(bad))
+    r.share_prefills = False  # admitted together even where their prompts share a prefix
     for p in (PROMPTS[0], PROMPTS[4]):  # both prefilled in one step: they decode together
         r.submit(p, SamplingParams(max_new_tokens=4))
     with pytest.raises(DraftError):
