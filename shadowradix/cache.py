@@ -286,7 +286,10 @@ class ShadowRadixCache(EmbedderVerbs):
         self._check_match(arr, match)
         if match.version == self._tree.version:
             return match
-        fresh = self.match_prefix(match.tokens, namespace=match.namespace)
+        if len(match.tokens):
+            fresh = self.match_prefix(match.tokens, namespace=match.namespace)
+        else:  # an empty match (max_len=0) stays empty: re-take it on the admitted tokens
+            fresh = self.match_prefix(arr, max_len=0, namespace=match.namespace)
         same = (fresh.prefix_len, fresh.hit_len, fresh.window, fresh.replay_start,
                 fresh.approximate) == (match.prefix_len, match.hit_len, match.window,
                                        match.replay_start, match.approximate)  # fmt: skip
@@ -754,14 +757,18 @@ class ShadowRadixCache(EmbedderVerbs):
         if num_pages <= 0:
             return _NO_EVICTION
         freed = swa = removed = 0
+        index, tree, vparts, sparts = self._index, self._tree, [], []
         while freed < num_pages:
-            leaf = self._index.oldest_full_leaf()
+            leaf = index.oldest_full_leaf()
             if leaf is None:
                 break
-            vpages, swa_pages = self._tree.remove_leaf(leaf)
-            self._full.free(vpages.tolist())
-            self._swa.free(swa_pages.tolist())
+            vpages, swa_pages = tree.remove_leaf(leaf)
+            vparts.append(vpages)
+            sparts.append(swa_pages)
             freed, swa, removed = freed + len(vpages), swa + len(swa_pages), removed + 1
+        if removed:  # freed in eviction order, as if one by one (nothing reads the stacks meanwhile)
+            self._full.free(np.concatenate(vparts).tolist())
+            self._swa.free(np.concatenate(sparts).tolist())
         report = EvictionReport(freed, swa, removed, 0)
         self._evicted += report
         return report
@@ -770,15 +777,17 @@ class ShadowRadixCache(EmbedderVerbs):
         if num_pages <= 0:
             return _NO_EVICTION
         freed = tombstoned = 0
+        index, tree, parts = self._index, self._tree, []
         while freed < num_pages:
-            node = self._index.oldest_swa()
+            node = index.oldest_swa()  # its tiers are up to date
             if node is None:
                 break
-            tier0_end, tier1_end, live_from = self._index.tiers(node)
+            tier0_end, tier1_end, live_from = node.lru_tiers
             avail = (tier0_end if tier0_end > live_from else tier1_end) - live_from
-            pages = self._tree.tombstone(node, min(avail, num_pages - freed))
-            self._swa.free(pages.tolist())
-            freed, tombstoned = freed + len(pages), tombstoned + 1
+            parts.append(tree.tombstone(node, min(avail, num_pages - freed)))
+            freed, tombstoned = freed + len(parts[-1]), tombstoned + 1
+        if parts:
+            self._swa.free(np.concatenate(parts).tolist())
         report = EvictionReport(0, freed, 0, tombstoned)
         self._evicted += report
         return report

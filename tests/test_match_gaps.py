@@ -81,3 +81,20 @@ def test_exact_hits_are_never_approximate():
         r = cache.admit(prompt[:cut] + [99], m)
         assert not r.approximate
         cache.abort(r)
+
+
+def test_an_empty_match_stays_valid_after_the_tree_changed() -> None:
+    """``match_prefix(..., max_len=0)`` (a request that wants no reuse: prompt logprobs) taken
+    before another request changed the tree is still admitted: there is nothing to re-match,
+    not a malformed query."""
+    cfg = CacheConfig(page_size=2, window=4, compress_ratios=(0, 2), overlap_ratios=(2,),
+                      full_capacity=64, swa_capacity=32)  # fmt: skip
+    cache = ShadowRadixCache(cfg)
+    empty = cache.match_prefix([5, 6, 7], max_len=0)
+    other = cache.admit([1, 2, 3, 4, 5])
+    cache.extend(other, other.prompt_remaining)
+    cache.finish(other)  # the tree changes
+    request = cache.admit([5, 6, 7], empty)
+    assert request.length == 0
+    cache.abort(request)
+    cache.check_invariants()
