@@ -28,7 +28,7 @@ from .events import EventLog
 from .locks import LockTable, PinReceipt
 from .lru import LruIndex
 from .node import Node
-from .page_table import PageTable
+from .page_table import PageTable, page_array
 from .radix_tree import RadixTree, Walk
 from .request import Request, RequestState
 from .results import (
@@ -682,10 +682,10 @@ class ShadowRadixCache(EmbedderVerbs):
         i0, i1 = live_lo - request.swa_base, full_pages - request.swa_base
         swa = np.zeros(0, dtype=np.int64)
         if live_lo < full_pages:
-            swa = np.asarray(request.swa_pages[i0:i1], dtype=np.int64)
+            swa = page_array(request.swa_pages[i0:i1])
             assert all(request.swa_owned[i0:i1]), "private pages beyond the tree must be owned"
             request.swa_owned[i0:i1] = [False] * (i1 - i0)
-        vpages = np.asarray(request.vpages.slice(lo, full_pages), dtype=np.int64)
+        vpages = page_array(request.vpages.slice(lo, full_pages))
         new_tokens = tokens.copy()
         if self._can_extend_own_leaf(request, parent, live_lo == lo):
             self._tree.extend_leaf(parent, new_tokens, vpages, swa)
@@ -766,7 +766,7 @@ class ShadowRadixCache(EmbedderVerbs):
             vparts.append(vpages)
             sparts.append(swa_pages)
             freed, swa, removed = freed + len(vpages), swa + len(swa_pages), removed + 1
-        if removed:  # freed in eviction order, as if one by one (nothing reads the stacks meanwhile)
+        if removed:  # in eviction order, as if one by one (nothing reads the stacks meanwhile)
             self._full.free(np.concatenate(vparts).tolist())
             self._swa.free(np.concatenate(sparts).tolist())
         report = EvictionReport(freed, swa, removed, 0)

@@ -30,7 +30,9 @@ from .errors import require
 from .node import Node
 
 _NO_ACCT = (0, 0, 0, 0)
-#: compact a heap once it holds this many entries more than twice the live keys
+#: a node has at most a full key and two SWA keys (one per tier)
+_KEYS_PER_NODE = 3
+#: compact the heaps once they hold this many entries more than twice the most live keys
 _SLACK = 1024
 
 
@@ -45,8 +47,6 @@ class LruIndex:
         self._dirty: dict[int, Node] = {}
         #: full evictable, full protected, SWA evictable, SWA protected pages
         self._counts = [0, 0, 0, 0]
-        self._live_full = 0
-        self._live_swa = 0
 
     # -- what the cache reads (each brings the index up to date first) -------------------------
 
@@ -98,14 +98,8 @@ class LruIndex:
 
     def tiers(self, node: Node) -> tuple[int, int, int]:
         """``(tier0_end, tier1_end, live_from)``: evictable SWA is ``[live_from, tier1_end)``."""
-        nv = len(node.vpages)
-        live_from = nv - len(node.swa_pages)
-        protect = nv
-        if node.swa_locks:
-            protect = min(max(min(node.swa_locks) - node.start_page, live_from), nv)
-        start, p = node.start_page, self.page_size
-        first = ((start + nv) * p - self.window) // p - start
-        return min(max(first, live_from), protect), protect, live_from
+        self.flush()
+        return node.lru_tiers
 
     # -- changes -------------------------------------------------------------------------------
 
@@ -116,15 +110,12 @@ class LruIndex:
     def remove(self, node: Node) -> None:
         """Stop tracking ``node`` (its heap entries go stale)."""
         self._dirty.pop(node.id, None)
-        for key in node.lru_keys:
-            if len(key) == 2:
-                self._live_full -= 1
-            else:
-                self._live_swa -= 1
         node.lru_keys = ()
-        counts, a = self._counts, node.acct
-        for i in range(4):
-            counts[i] -= a[i]
+        c, a = self._counts, node.acct
+        c[0] -= a[0]
+        c[1] -= a[1]
+        c[2] -= a[2]
+        c[3] -= a[3]
         node.acct = _NO_ACCT
         self._nodes.pop(node.id, None)
 
@@ -145,43 +136,42 @@ class LruIndex:
             protect = min(max(min(node.swa_locks) - start, live_from), nv)
         p = self.page_size
         tail = min(max(((start + nv) * p - self.window) // p - start, live_from), protect)
-        locked = node.full_lock_ref
-        swa_e = protect - live_from
-        acct = (0, nv, swa_e, nv - protect) if locked else (nv, 0, swa_e, nv - protect)
+        node.lru_tiers = (tail, protect, live_from)
         stamp, nid = node.last_access, node.id
-        if tail > live_from:
-            keys: tuple[tuple[int, ...], ...] = (
-                ((0, stamp, nid), (1, stamp, nid)) if protect > tail else ((0, stamp, nid),)
-            )
+        if node.full_lock_ref:
+            acct = (0, nv, protect - live_from, nv - protect)
+            keys: tuple[tuple[int, ...], ...] = ()
         else:
-            keys = ((1, stamp, nid),) if protect > tail else ()
-        if not locked and not node.children:
-            keys = ((stamp, nid), *keys)
-        old, old_acct = node.lru_keys, node.acct
-        if keys == old and acct == old_acct and nid in self._nodes:
+            acct = (nv, 0, protect - live_from, nv - protect)
+            keys = () if node.children else ((stamp, nid),)
+        if tail > live_from:
+            keys += ((0, stamp, nid),)
+        if protect > tail:
+            keys += ((1, stamp, nid),)
+        old, was = node.lru_keys, node.acct
+        if keys == old and acct == was and nid in self._nodes:
             return
         self._nodes[nid] = node
         node.lru_keys, node.acct = keys, acct
-        counts = self._counts
-        for i in range(4):
-            counts[i] += acct[i] - old_acct[i]
-        for key in old:
-            if len(key) == 2:
-                self._live_full -= 1
-            else:
-                self._live_swa -= 1
+        if acct != was:
+            c = self._counts
+            c[0] += acct[0] - was[0]
+            c[1] += acct[1] - was[1]
+            c[2] += acct[2] - was[2]
+            c[3] += acct[3] - was[3]
         for key in keys:
-            full = len(key) == 2
-            if full:
-                self._live_full += 1
-            else:
-                self._live_swa += 1
             if key not in old:
-                heap = self._full if full else self._swa
-                heappush(heap, key)
-                if len(heap) > 2 * (self._live_full + self._live_swa) + _SLACK:
-                    heap[:] = set(filter(self._is_live, heap))  # compact: drop stale entries
-                    heapify(heap)
+                heappush(self._full if len(key) == 2 else self._swa, key)
+        if len(self._full) + len(self._swa) > _KEYS_PER_NODE * 2 * len(self._nodes) + _SLACK:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale entries (and duplicates) of both heaps. After it they hold at most
+        ``_KEYS_PER_NODE`` live keys a node, and the next one comes at least as many pushes
+        later: amortised O(1) a push."""
+        for heap in (self._full, self._swa):
+            heap[:] = set(filter(self._is_live, heap))
+            heapify(heap)
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -209,11 +199,8 @@ class LruIndex:
         saved = {n.id: (n.acct, n.lru_keys) for n in nodes}
         totals = tuple(self._counts)
         require(set(self._nodes) == {n.id for n in nodes}, "LRU index tracks the wrong node set")
-        held = [k for n in nodes for k in n.lru_keys]
-        require(
-            len(full_keys) + len(swa_keys) == len(held) == self._live_full + self._live_swa,
-            "LRU keys missing from the heaps, or live-key counts drifted",
-        )
+        held = {k for n in nodes for k in n.lru_keys}
+        require(held == full_keys | swa_keys, "LRU keys missing from the heaps")
         shadow = LruIndex(self.page_size, self.window)
         for n in nodes:
             n.lru_keys, n.acct = (), _NO_ACCT

@@ -35,6 +35,7 @@ class Node:
         "last_access",
         "acct",
         "lru_keys",
+        "lru_tiers",
         "approximate",
     )
 
@@ -62,6 +63,8 @@ class Node:
         #: (full evictable, full protected, swa evictable, swa protected) pages, as indexed
         self.acct = (0, 0, 0, 0)
         self.lru_keys: tuple[tuple[int, ...], ...] = ()
+        #: ``(tier0_end, tier1_end, live_from)`` as last indexed (`LruIndex.tiers`)
+        self.lru_tiers = (0, 0, 0)
         #: computed downstream of a bounded replay (not bit-identical to a cold prefill)
         self.approximate = False
 

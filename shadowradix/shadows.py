@@ -24,6 +24,7 @@ from itertools import chain
 import numpy as np
 
 from .config import CacheConfig, StreamSpec
+from .page_table import page_array
 from .results import (
     Allocation,
     EvictionReport,
@@ -88,7 +89,7 @@ def ring_rows(swa_pages: np.ndarray, positions: np.ndarray, stream: StreamSpec) 
 def _flatten(tables: list[list[int]], first_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Concatenate page-table slices; ``flat[base[i] + page]`` is request ``i``'s page."""
     if len(tables) == 1:
-        flat = np.array(tables[0], dtype=I64)
+        flat = page_array(tables[0])
         return flat, -first_pages
     sizes = np.fromiter(map(len, tables), I64, len(tables))
     flat = np.fromiter(chain.from_iterable(tables), I64, int(sizes.sum()))
@@ -194,8 +195,8 @@ class Shadows:
         p, shift, start, end = self.page_size, self._shift, run.start, run.end
         pos = np.arange(start, end, dtype=I64)
         owner = np.zeros(end - start, dtype=I64)
-        vtab = np.array(run.vpages, dtype=I64)
-        stab = np.array(run.swa_pages, dtype=I64)
+        vtab = page_array(run.vpages)
+        stab = page_array(run.swa_pages)
         keep = None  # page 1: ring_len is 1, every row is the last of its page and kept
         if p == 1:
             vslots, spages = vtab, stab[start - run.swa_first :]
