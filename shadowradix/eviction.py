@@ -1,0 +1,148 @@
+"""Eviction and capacity: full eviction removes the least recently used unlocked leaves, SWA
+eviction tombstones the oldest unprotected pages (node heads before any branch's tail window);
+a step evicts from each pool only what that pool lacks; `rebalance` moves the live capacities."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import CapacityError, ConfigError, InvalidRequestError
+from .results import EvictionReport
+from .validation import as_count
+
+if TYPE_CHECKING:
+    from .allocator import PageAllocator
+    from .config import CacheConfig
+    from .lru import LruIndex
+    from .radix_tree import RadixTree
+
+#: the report of an eviction that freed nothing
+NO_EVICTION = EvictionReport()
+
+
+class EvictionPolicy:
+    """Mixed into `ShadowRadixCache` (see there for the state it names)."""
+
+    if TYPE_CHECKING:
+        config: CacheConfig
+        _tree: RadixTree
+        _index: LruIndex
+        _full: PageAllocator
+        _swa: PageAllocator
+        _evicted: EvictionReport
+
+        def _debug_check(self) -> None: ...
+
+    def evict(self, full_tokens: int = 0, swa_tokens: int = 0) -> EvictionReport:
+        """Free at least this many tokens' pages per pool, if that many are evictable.
+
+        Full eviction removes LRU unlocked leaves; SWA eviction tombstones the oldest
+        unprotected pages, heads of nodes before any branch's tail window.
+        """
+        full, swa = as_count(full_tokens), as_count(swa_tokens)
+        if full is None or swa is None:
+            raise InvalidRequestError("eviction sizes must be non-negative ints (tokens)")
+        p = self.config.page_size
+        report = self._evict_full(-(-full // p)) + self._evict_swa(-(-swa // p))
+        self._debug_check()
+        return report
+
+    def _reserve(self, full_pages: int, swa_pages: int) -> EvictionReport:
+        """Make sure the pages can be had (else raise, changing nothing), evicting if needed."""
+        if full_pages > self._full.num_free or swa_pages > self._swa.num_free:
+            self._ensure_capacity(full_pages, swa_pages)
+            return self._make_room(full_pages, swa_pages)
+        return NO_EVICTION
+
+    def _ensure_capacity(self, full_pages: int, swa_pages: int) -> None:
+        if full_pages > self._full.num_free:
+            available = self._full.num_free + self._index.full_evictable
+            if full_pages > available:
+                raise CapacityError("full", full_pages, available)
+        if swa_pages > self._swa.num_free:
+            available = self._swa.num_free + self._index.swa_evictable
+            if swa_pages > available:
+                raise CapacityError("swa", swa_pages, available)
+
+    def _make_room(self, full_pages: int, swa_pages: int) -> EvictionReport:
+        """Evict from each pool only what it lacks (the pool that failed is the one evicted)."""
+        report = self._evict_full(full_pages - self._full.num_free)
+        return report + self._evict_swa(swa_pages - self._swa.num_free)
+
+    def _evict_full(self, num_pages: int) -> EvictionReport:
+        if num_pages <= 0:
+            return NO_EVICTION
+        freed = swa = removed = 0
+        index, tree, vparts, sparts = self._index, self._tree, [], []
+        while freed < num_pages:
+            leaf = index.oldest_full_leaf()
+            if leaf is None:
+                break
+            vpages, swa_pages = tree.remove_leaf(leaf)
+            vparts.append(vpages)
+            sparts.append(swa_pages)
+            freed, swa, removed = freed + len(vpages), swa + len(swa_pages), removed + 1
+        if removed:  # in eviction order, as if one by one (nothing reads the stacks meanwhile)
+            self._full.free(np.concatenate(vparts).tolist())
+            self._swa.free(np.concatenate(sparts).tolist())
+        report = EvictionReport(freed, swa, removed, 0)
+        self._evicted += report
+        return report
+
+    def _evict_swa(self, num_pages: int) -> EvictionReport:
+        if num_pages <= 0:
+            return NO_EVICTION
+        freed = tombstoned = 0
+        index, tree, parts = self._index, self._tree, []
+        while freed < num_pages:
+            node = index.oldest_swa()  # its tiers are up to date
+            if node is None:
+                break
+            tier0_end, tier1_end, live_from = node.lru_tiers
+            avail = (tier0_end if tier0_end > live_from else tier1_end) - live_from
+            parts.append(tree.tombstone(node, min(avail, num_pages - freed)))
+            freed, tombstoned = freed + len(parts[-1]), tombstoned + 1
+        if parts:
+            self._swa.free(np.concatenate(parts).tolist())
+        report = EvictionReport(0, freed, 0, tombstoned)
+        self._evicted += report
+        return report
+
+    def rebalance(
+        self, full_capacity: int | None = None, swa_capacity: int | None = None
+    ) -> EvictionReport:
+        """Move the live pool capacities (tokens) within their configured maxima at run time.
+
+        Shrinking evicts what no longer fits; raises `CapacityError` (changing nothing) when
+        locked or request-held pages exceed the new size.
+        """
+        p = self.config.page_size
+        targets = []
+        for name, alloc, value in (
+            ("full", self._full, full_capacity),
+            ("swa", self._swa, swa_capacity),
+        ):
+            if value is None:
+                targets.append(alloc.capacity)
+                continue
+            count = as_count(value)
+            if count is None:
+                raise ConfigError(f"{name} capacity must be an int number of tokens, got {value!r}")
+            if count == 0 or count % p or count // p > alloc.max_pages:
+                raise ConfigError(
+                    f"{name} capacity must be a multiple of {p} in (0, {alloc.max_pages * p}]"
+                )
+            targets.append(count // p)
+        if targets[1] < self.config.window_pages + 1:
+            raise ConfigError("swa capacity must hold at least one request's window")
+        excess = [max(0, a.num_used - t) for a, t in zip((self._full, self._swa), targets)]
+        self._ensure_capacity(excess[0] + self._full.num_free, excess[1] + self._swa.num_free)
+        report = self._evict_full(excess[0]) + self._evict_swa(
+            max(0, self._swa.num_used - targets[1])
+        )
+        self._full.set_capacity(targets[0])
+        self._swa.set_capacity(targets[1])
+        self._debug_check()
+        return report

@@ -1,0 +1,176 @@
+"""Prefix matching: the longest reusable prefix of a prompt (`ShadowRadixCache.match_prefix`), the
+deepest boundary whose window is live, the replay alternative, and the checks that let a match
+taken earlier still be admitted after the tree changed elsewhere."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import InvalidRequestError, StaleMatchError
+from .node import Node
+from .radix_tree import RadixTree, Walk
+from .results import MatchResult, WindowSource
+from .validation import TokenInput, as_tokens
+
+if TYPE_CHECKING:
+    from .config import CacheConfig
+
+
+class PrefixMatching:
+    """Mixed into `ShadowRadixCache` (see there for the state it names)."""
+
+    if TYPE_CHECKING:
+        config: CacheConfig
+        _tree: RadixTree
+
+    def match_prefix(
+        self, tokens: TokenInput, max_len: int | None = None, *, namespace: Hashable = None
+    ) -> MatchResult:
+        """Longest reusable prefix of ``tokens`` in ``namespace`` (a LoRA id, a cache salt, a
+        tenant: any hashable; ``None`` is the default one). Prefixes never match across
+        namespaces. Pure: changes nothing (not even LRU order).
+
+        The match ends on a page boundary whose preceding ``window`` tokens are live SWA; with
+        ``bounded_replay`` it may instead end at the deepest cached boundary and ask for the
+        window to be replayed, when that skips more tokens.
+
+        ``max_len`` bounds the match (``len(tokens) - 1`` leaves one token to compute, also for
+        a one-token prompt: ``max_len=0`` gives the empty match, which ``admit`` accepts for
+        any prompt). Raises `InvalidRequestError` for bad tokens or a negative ``max_len``.
+        """
+        arr = as_tokens(tokens, "tokens")
+        if max_len is not None:
+            if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)):
+                raise InvalidRequestError(f"max_len must be an int, got {max_len!r}")
+            if max_len < 0:
+                raise InvalidRequestError(f"max_len must be >= 0, got {max_len}")
+            arr = arr[:max_len]
+        return self._match(arr, self._hashable(namespace))
+
+    @staticmethod
+    def _hashable(namespace: Hashable) -> Hashable:
+        try:
+            hash(namespace)
+        except TypeError:
+            raise InvalidRequestError(f"namespace must be hashable, got {namespace!r}") from None
+        return namespace
+
+    def _match(self, arr: np.ndarray, namespace: Hashable) -> MatchResult:
+        """`match_prefix` of validated tokens."""
+        root = self._tree.root_of(namespace)
+        walk = self._tree.walk(arr, start=root)
+        cached_len = walk.num_pages * self.config.page_size
+        node, node_pages = self._deepest_live(walk, root)
+        prefix_len = (node.start_page + node_pages) * self.config.page_size
+        replay_gain = cached_len - self.config.window
+        if self.config.bounded_replay and replay_gain > prefix_len:
+            return self._sealed(
+                MatchResult(
+                    len(arr),
+                    cached_len,
+                    cached_len,
+                    replay_gain,
+                    WindowSource.REPLAY,
+                    replay_gain,
+                    walk.nodes[-1],
+                    walk.last_pages,
+                    self._tree.version,
+                    arr,
+                    True,
+                    self,
+                    namespace,
+                )
+            )
+        source = WindowSource.LIVE if prefix_len else WindowSource.NONE
+        return self._sealed(
+            MatchResult(
+                len(arr),
+                cached_len,
+                prefix_len,
+                prefix_len,
+                source,
+                None,
+                node,
+                node_pages,
+                self._tree.version,
+                arr,
+                self._any_approximate(walk, node),
+                self,
+                namespace,
+            )
+        )
+
+    def _sealed(self, match: MatchResult) -> MatchResult:
+        object.__setattr__(match, "_seal", self)
+        return match
+
+    @staticmethod
+    def _any_approximate(walk: Walk, end: Node) -> bool:
+        """Whether the matched path down to ``end`` holds replay-derived state."""
+        if end.is_root:
+            return False
+        for n in walk.nodes:
+            if n.approximate:
+                return True
+            if n is end:
+                break
+        return False
+
+    def _deepest_live(self, walk: Walk, root: Node) -> tuple[Node, int]:
+        """Deepest boundary of ``walk`` whose window is live SWA, as (node, pages into it).
+
+        ``run_start[i]``: first page of the live run that ends at node ``i``'s end (live SWA is
+        a suffix of each node, so runs chain through fully-live nodes).
+        """
+        p, w = self.config.page_size, self.config.window
+        run_start, prev = [], 0
+        for n in walk.nodes:
+            live_from = n.start_page + n.live_from
+            prev = live_from if live_from > n.start_page else prev
+            run_start.append(prev)
+        for i in range(len(walk.nodes) - 1, -1, -1):
+            n = walk.nodes[i]
+            used = walk.last_pages if i == len(walk.nodes) - 1 else n.num_pages
+            end_page = n.start_page + used
+            if (
+                end_page > n.start_page + n.live_from
+                and max(0, end_page * p - w) >= run_start[i] * p
+            ):
+                return n, used
+        return root, 0
+
+    def _current_match(self, arr: np.ndarray, match: MatchResult) -> MatchResult:
+        """``match`` checked, and re-taken against the current tree if that changed."""
+        self._check_match(arr, match)
+        if match.version == self._tree.version:
+            return match
+        if len(match.tokens):
+            fresh = self.match_prefix(match.tokens, namespace=match.namespace)
+        else:  # an empty match (max_len=0) stays empty: re-take it on the admitted tokens
+            fresh = self.match_prefix(arr, max_len=0, namespace=match.namespace)
+        same = (fresh.prefix_len, fresh.hit_len, fresh.window, fresh.replay_start,
+                fresh.approximate) == (match.prefix_len, match.hit_len, match.window,
+                                       match.replay_start, match.approximate)  # fmt: skip
+        if not same:
+            raise StaleMatchError(
+                "the tree changed since this match was taken and the prefix it found is no "
+                f"longer the same (resume at {fresh.prefix_len}, not {match.prefix_len}); "
+                "match again"
+            )
+        return fresh
+
+    def _check_match(self, arr: np.ndarray, match: MatchResult) -> None:
+        if not isinstance(match, MatchResult):
+            raise InvalidRequestError(f"expected a MatchResult, got {type(match).__name__}")
+        if match.owner is not self:
+            raise InvalidRequestError("this MatchResult was taken from another cache")
+        if match._seal is not self:
+            raise InvalidRequestError(
+                "this MatchResult was not made by this cache's match_prefix (an altered copy?)"
+            )
+        n = match.prefix_len
+        if len(arr) < n or not (arr[:n] == match.tokens[:n]).all():
+            raise InvalidRequestError("tokens do not start with the matched prefix")
