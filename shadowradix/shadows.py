@@ -199,7 +199,7 @@ class Shadows:
         stab = page_array(run.swa_pages)
         keep = None  # page 1: ring_len is 1, every row is the last of its page and kept
         if p == 1:
-            vslots, spages = vtab, stab[start - run.swa_first :]
+            vslots, spages = vtab.copy(), stab[start - run.swa_first :]  # vtab may be read-only
         else:
             page = pos >> shift
             vslots = vtab[page - (start >> shift)] * p + (pos & (p - 1))
