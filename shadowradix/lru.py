@@ -30,9 +30,8 @@ from .errors import require
 from .node import Node
 
 _NO_ACCT = (0, 0, 0, 0)
-#: a node has at most a full key and two SWA keys (one per tier)
-_KEYS_PER_NODE = 3
-#: compact the heaps once they hold this many entries more than twice the most live keys
+#: compact the heaps once they hold this many entries more than twice the most live keys (a
+#: node has at most three: a full key and one per SWA tier)
 _SLACK = 1024
 
 
@@ -40,6 +39,8 @@ class LruIndex:
     def __init__(self, page_size: int, window: int) -> None:
         self.page_size = page_size
         self.window = window
+        #: a node's last ``window`` tokens meet its last this many pages
+        self._window_pages = -(-window // page_size)
         #: heaps of ``(last_access, id)`` and ``(tier, last_access, id)``, stale entries included
         self._full: list[tuple[int, ...]] = []
         self._swa: list[tuple[int, ...]] = []
@@ -89,11 +90,13 @@ class LruIndex:
         return self._swa
 
     def oldest_full_leaf(self) -> Node | None:
-        self.flush()
+        if self._dirty:
+            self.flush()
         return self._oldest(self._full)
 
     def oldest_swa(self) -> Node | None:
-        self.flush()
+        if self._dirty:
+            self.flush()
         return self._oldest(self._swa)
 
     def tiers(self, node: Node) -> tuple[int, int, int]:
@@ -106,6 +109,44 @@ class LruIndex:
     def update(self, node: Node) -> None:
         """Note a change to ``node`` (its keys and counts are re-derived before the next read)."""
         self._dirty[node.id] = node
+
+    def tombstoned(self, node: Node, num_pages: int) -> None:
+        """`update` after `RadixTree.tombstone` took ``num_pages`` evictable SWA pages from
+        ``node``, applied at once: its live start moves up to at most its protected start, so
+        the tail tier can only start later, the evictable count drops by ``num_pages``, and a
+        key goes only if its tier emptied (none appears, stamps stay)."""
+        tail, protect, live_from = node.lru_tiers
+        live_from += num_pages
+        nid = node.id
+        if nid in self._dirty or nid not in self._nodes or live_from > protect:
+            self._dirty[nid] = node  # not indexed as it stands: re-derive it
+            return
+        if tail < live_from:
+            tail = live_from
+        node.lru_tiers = (tail, protect, live_from)
+        a = node.acct
+        node.acct = (a[0], a[1], a[2] - num_pages, a[3])
+        self._counts[2] -= num_pages
+        if tail == live_from or tail == protect:
+            node.lru_keys = tuple(
+                k
+                for k in node.lru_keys
+                if len(k) == 2 or (tail > live_from if k[0] == 0 else protect > tail)
+            )
+
+    def child_removed(self, node: Node) -> None:
+        """`update` after a child of ``node`` was removed, applied at once: it only gains a full
+        key, if that was its last child and it is unlocked (its counts and tiers stay)."""
+        nid = node.id
+        if nid in self._dirty or (node.parent is not None and nid not in self._nodes):
+            self._dirty[nid] = node  # pending or not indexed: re-derive it
+            return
+        if node.parent is None or node.children or node.full_lock_ref:
+            return  # a root, not a leaf yet, or locked: nothing it is indexed by changed
+        key = (node.last_access, nid)
+        if key not in node.lru_keys:
+            node.lru_keys = (key, *node.lru_keys)
+            heappush(self._full, key)
 
     def remove(self, node: Node) -> None:
         """Stop tracking ``node`` (its heap entries go stale)."""
@@ -129,13 +170,21 @@ class LruIndex:
     def _refresh(self, node: Node) -> None:
         if node.parent is None:
             return
+        # the tiers of the module docstring, clamped with comparisons (no min/max calls)
         nv, start = len(node.vpages), node.start_page
         live_from = nv - len(node.swa_pages)
         protect = nv
         if node.swa_locks:
-            protect = min(max(min(node.swa_locks) - start, live_from), nv)
-        p = self.page_size
-        tail = min(max(((start + nv) * p - self.window) // p - start, live_from), protect)
+            protect = min(node.swa_locks) - start
+            if protect < live_from:
+                protect = live_from
+            elif protect > nv:
+                protect = nv
+        tail = nv - self._window_pages  # the first page meeting the last `window` tokens
+        if tail < live_from:
+            tail = live_from
+        elif tail > protect:
+            tail = protect
         node.lru_tiers = (tail, protect, live_from)
         stamp, nid = node.last_access, node.id
         if node.full_lock_ref:
@@ -159,16 +208,18 @@ class LruIndex:
             c[1] += acct[1] - was[1]
             c[2] += acct[2] - was[2]
             c[3] += acct[3] - was[3]
+        pushed = False
         for key in keys:
             if key not in old:
                 heappush(self._full if len(key) == 2 else self._swa, key)
-        if len(self._full) + len(self._swa) > _KEYS_PER_NODE * 2 * len(self._nodes) + _SLACK:
+                pushed = True
+        if pushed and len(self._full) + len(self._swa) > 6 * len(self._nodes) + _SLACK:
             self._compact()
 
     def _compact(self) -> None:
         """Drop the stale entries (and duplicates) of both heaps. After it they hold at most
-        ``_KEYS_PER_NODE`` live keys a node, and the next one comes at least as many pushes
-        later: amortised O(1) a push."""
+        three live keys a node, and the next one comes at least as many pushes later:
+        amortised O(1) a push."""
         for heap in (self._full, self._swa):
             heap[:] = set(filter(self._is_live, heap))
             heapify(heap)
@@ -196,7 +247,7 @@ class LruIndex:
     def check_invariants(self, nodes: list[Node]) -> None:
         """Recompute every key and count from the nodes themselves and compare."""
         full_keys, swa_keys = self.live_keys()
-        saved = {n.id: (n.acct, n.lru_keys) for n in nodes}
+        saved = {n.id: (n.acct, n.lru_keys, n.lru_tiers) for n in nodes}
         totals = tuple(self._counts)
         require(set(self._nodes) == {n.id for n in nodes}, "LRU index tracks the wrong node set")
         held = {k for n in nodes for k in n.lru_keys}
@@ -210,6 +261,8 @@ class LruIndex:
             require(want_full == full_keys, "full LRU keys are stale")
             require(want_swa == swa_keys, "SWA LRU keys are stale")
             require(totals == tuple(shadow._counts), "evictable / protected page counts drifted")
+            for n in nodes:
+                require(n.lru_tiers == saved[n.id][2], f"{n}: SWA tiers are stale")
         finally:
             for n in nodes:
-                n.acct, n.lru_keys = saved[n.id]
+                n.acct, n.lru_keys, n.lru_tiers = saved[n.id]

@@ -184,7 +184,7 @@ class RadixTree:
             self.events.evicted(leaf.vpages, leaf.swa_pages, leaf.start_page)
         del parent.children[leaf.key]
         self.index.remove(leaf)
-        self.index.update(parent)
+        self.index.child_removed(parent)
         self.version += 1
         return leaf.vpages, leaf.swa_pages
 
@@ -196,7 +196,7 @@ class RadixTree:
             self.events.swa_changed(KvEventKind.TOMBSTONED, node.vpages[lf : lf + len(freed)],
                                     freed, node.start_page + lf)  # fmt: skip
         self.version += 1
-        self.index.update(node)
+        self.index.tombstoned(node, len(freed))
         return freed
 
     def revive(self, node: Node, swa_pages: np.ndarray) -> None:
