@@ -42,7 +42,7 @@ class PageAllocator:
     @property
     def num_free(self) -> int:
         """Pages obtainable right now without eviction (may be negative after a shrink)."""
-        return self.capacity - self.num_used
+        return self.capacity - self.max_pages + len(self._free)
 
     def allocate(self, num_pages: int) -> list[int]:
         """Pop ``num_pages`` ids (first popped first). Raises `CapacityError`, or
@@ -61,7 +61,7 @@ class PageAllocator:
             raise CapacityError(self.name, num_pages, max(num_free, 0))
         if num_pages <= 1:
             return [free.pop()] if num_pages else []
-        pages = free[-num_pages:][::-1]
+        pages = free[: -num_pages - 1 : -1]  # the top num_pages, first popped first
         del free[-num_pages:]
         return pages
 

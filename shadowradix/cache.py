@@ -80,7 +80,8 @@ class ShadowRadixCache(
         self._replayed_hits = self._approximate_hits = 0
         self._admissions = self._matched_tokens = 0
         self._watch = [0, 0]  # admissions and hit tokens in the current watchdog window
-        self._evicted = EvictionReport()
+        #: pages and nodes evicted so far: full pages, SWA pages, nodes removed, tombstoned
+        self._evicted_pages = [0, 0, 0, 0]
         self._metrics_mark = (self.stats(), time.monotonic())
 
     # -- matching and admission ------------------------------------------------------------------
@@ -361,7 +362,7 @@ class ShadowRadixCache(
             replayed_tokens=self._replayed_tokens,
             replayed_hits=self._replayed_hits,
             approximate_hits=self._approximate_hits,
-            evicted=self._evicted,
+            evicted=EvictionReport(*self._evicted_pages),
             min_hit_granularity=self.config.min_hit_granularity,
             admissions=self._admissions,
             matched_tokens=self._matched_tokens,

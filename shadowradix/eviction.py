@@ -31,7 +31,7 @@ class EvictionPolicy:
         _index: LruIndex
         _full: PageAllocator
         _swa: PageAllocator
-        _evicted: EvictionReport
+        _evicted_pages: list[int]
 
         def _debug_check(self) -> None: ...
 
@@ -68,8 +68,9 @@ class EvictionPolicy:
 
     def _make_room(self, full_pages: int, swa_pages: int) -> EvictionReport:
         """Evict from each pool only what it lacks (the pool that failed is the one evicted)."""
-        report = self._evict_full(full_pages - self._full.num_free)
-        return report + self._evict_swa(swa_pages - self._swa.num_free)
+        full = self._evict_full(full_pages - self._full.num_free)
+        swa = self._evict_swa(swa_pages - self._swa.num_free)
+        return swa if full is NO_EVICTION else full if swa is NO_EVICTION else full + swa
 
     def _evict_full(self, num_pages: int) -> EvictionReport:
         if num_pages <= 0:
@@ -87,9 +88,9 @@ class EvictionPolicy:
         if removed:  # in eviction order, as if one by one (nothing reads the stacks meanwhile)
             self._full.free(np.concatenate(vparts).tolist())
             self._swa.free(np.concatenate(sparts).tolist())
-        report = EvictionReport(freed, swa, removed, 0)
-        self._evicted += report
-        return report
+        total = self._evicted_pages
+        total[0], total[1], total[2] = total[0] + freed, total[1] + swa, total[2] + removed
+        return EvictionReport(freed, swa, removed, 0)
 
     def _evict_swa(self, num_pages: int) -> EvictionReport:
         if num_pages <= 0:
@@ -106,9 +107,9 @@ class EvictionPolicy:
             freed, tombstoned = freed + len(parts[-1]), tombstoned + 1
         if parts:
             self._swa.free(np.concatenate(parts).tolist())
-        report = EvictionReport(0, freed, 0, tombstoned)
-        self._evicted += report
-        return report
+        total = self._evicted_pages
+        total[1], total[3] = total[1] + freed, total[3] + tombstoned
+        return EvictionReport(0, freed, 0, tombstoned)
 
     def rebalance(
         self, full_capacity: int | None = None, swa_capacity: int | None = None

@@ -40,11 +40,13 @@ class StepExtension:
         self, requests: Sequence[Request], tokens: Sequence[TokenInput] | np.ndarray
     ) -> None:
         for name, value in (("requests", requests), ("tokens", tokens)):
+            if type(value) is list or type(value) is tuple:
+                continue
             if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
                 raise InvalidRequestError(f"{name} must be a sequence, got {type(value).__name__}")
         if len(requests) != len(tokens) or not requests:
             raise InvalidRequestError("need one token list per request, and at least one request")
-        if len({id(r) for r in requests}) != len(requests):
+        if len(requests) > 1 and len({id(r) for r in requests}) != len(requests):
             raise InvalidRequestError("a request appears twice in one batch")
         active = RequestState.ACTIVE
         for r in requests:

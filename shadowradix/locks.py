@@ -33,6 +33,14 @@ class LockReceipt:
     #: SWA receipts: absolute page index where the holder's window starts.
     window_page: int = 0
 
+    @classmethod
+    def _issue(cls, id: int, node: Node, pool: Pool, window_page: int = 0) -> LockReceipt:
+        """The receipt ``LockReceipt(id, node, pool, window_page)`` would make, without the frozen
+        ``__init__``'s per-field ``object.__setattr__`` (one is issued on every lock)."""
+        receipt = object.__new__(cls)
+        receipt.__dict__.update(id=id, node=node, pool=pool, window_page=window_page)
+        return receipt
+
 
 @dataclass(frozen=True, eq=False)
 class PinReceipt:
@@ -64,7 +72,7 @@ class LockTable:
             if n.full_lock_ref == 1:
                 self._on_change(n)
             n = n.parent
-        return self._register(LockReceipt(next(self._ids), node, Pool.FULL))
+        return self._register(LockReceipt._issue(next(self._ids), node, Pool.FULL))
 
     def lock_swa(self, node: Node, window_page: int) -> LockReceipt:
         for n in self._swa_path(node, window_page):
@@ -72,7 +80,7 @@ class LockTable:
             n.swa_locks[window_page] = count + 1
             if not count and window_page == min(n.swa_locks):
                 self._on_change(n)  # the protected range grew
-        return self._register(LockReceipt(next(self._ids), node, Pool.SWA, window_page))
+        return self._register(LockReceipt._issue(next(self._ids), node, Pool.SWA, window_page))
 
     def unlock(self, receipt: LockReceipt) -> None:
         if self._live.pop(receipt.id, None) is not receipt:

@@ -12,6 +12,8 @@ from .errors import InvalidRequestError
 TokenInput = Sequence[int] | np.ndarray
 #: the largest token id (ids are int64)
 MAX_TOKEN = 2**63 - 1
+#: ``arr.min()`` / ``arr.max()`` of a non-empty array, without the method's Python wrapper
+_min, _max = np.minimum.reduce, np.maximum.reduce
 
 
 def as_count(value: object) -> int | None:
@@ -54,6 +56,6 @@ def as_tokens(tokens: TokenInput, what: str) -> np.ndarray:
         raise InvalidRequestError(f"{what} must be a non-empty 1-D sequence of ints")
     if arr.dtype.kind not in "iu":
         raise InvalidRequestError(f"{what} must be integers, got dtype {arr.dtype}")
-    if arr.min() < 0 or (arr.dtype.kind == "u" and arr.max() > MAX_TOKEN):
+    if _min(arr) < 0 or (arr.dtype.kind == "u" and _max(arr) > MAX_TOKEN):
         raise InvalidRequestError(f"{what} must be token ids in [0, 2**63)")
     return arr.astype(np.int64, copy=False)
