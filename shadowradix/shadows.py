@@ -217,14 +217,18 @@ class Shadows:
             if g1 > g0 and not replay:
                 groups = np.arange(g0, g1, dtype=I64)
                 ends = groups * s.ratio + (s.ratio - 1)
-                slots = compressed_slots(vslots[ends - start], ends, s)
-                entries = (np.zeros(g1 - g0, dtype=I64), groups, slots)
                 first = first_inflight(start, s)
                 cpos = np.arange(first, start, dtype=I64)
-                crows = ring_rows(stab[(cpos >> shift) - run.swa_first], cpos, s)
+                if p == 1:  # one slot and one ring row a page: the formulas are the page ids
+                    slots = vslots[ends - start]
+                    crows = stab[cpos - run.swa_first]
+                else:
+                    slots = compressed_slots(vslots[ends - start], ends, s)
+                    crows = ring_rows(stab[(cpos >> shift) - run.swa_first], cpos, s)
+                entries = (np.zeros(g1 - g0, dtype=I64), groups, slots)
                 carry = (np.zeros(start - first, dtype=I64), cpos, crows)
             streams.append(StreamWrites(s.ratio, *ring, *carry, *entries))
-        swa_slots = spages * p + (pos & (p - 1))
+        swa_slots = spages.copy() if p == 1 else spages * p + (pos & (p - 1))
         offsets = np.array([0, end - start], dtype=I64)
         return StepArrays(offsets, pos, vslots, swa_slots, tuple(streams))
 
