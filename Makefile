@@ -29,7 +29,7 @@ demo: $(RUN_STAMP)
 	$(BIN)/shadowradix demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n auto --hypothesis-profile=ci --cov=shadowradix --cov=hisparse --cov=adapters --cov-branch \
+	$(BIN)/python -m pytest --hypothesis-profile=ci --cov=shadowradix --cov=hisparse --cov=adapters --cov-branch \
 		--cov-report=term-missing:skip-covered --cov-fail-under=95
 
 thorough: $(STAMP)

@@ -162,7 +162,8 @@ def summary(runner: Runner, results: list[GenerationResult], wall: float) -> str
             f"shared prefills: {st.shared_prefill_waits} admission(s) waited for a running "
             "prefill of their prefix instead of computing it again"
         )
-    if runner.cache.config.bounded_replay:  # tail-only approximations have their own line
+    replay = runner.cache.config.bounded_replay  # tail-only approximations have their own line
+    if st.replayed_hits or (replay and st.approximate_results):
         lines.append(
             f"bounded replay (approximate): {st.replayed_hits} replayed hits, "
             f"{st.replayed_tokens} window tokens recomputed, {st.approximate_results} of "
