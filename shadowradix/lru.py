@@ -127,12 +127,14 @@ class LruIndex:
         a = node.acct
         node.acct = (a[0], a[1], a[2] - num_pages, a[3])
         self._counts[2] -= num_pages
-        if tail == live_from or tail == protect:
-            node.lru_keys = tuple(
-                k
-                for k in node.lru_keys
-                if len(k) == 2 or (tail > live_from if k[0] == 0 else protect > tail)
-            )
+        if tail == live_from or tail == protect:  # a tier emptied: its key goes
+            keys = node.lru_keys
+            kept: tuple[tuple[int, ...], ...] = keys[:1] if keys and len(keys[0]) == 2 else ()
+            if tail > live_from:
+                kept += ((0, node.last_access, nid),)
+            if protect > tail:
+                kept += ((1, node.last_access, nid),)
+            node.lru_keys = kept
 
     def child_removed(self, node: Node) -> None:
         """`update` after a child of ``node`` was removed, applied at once: it only gains a full
