@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers-dir", type=Path, default=PEERS)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    meta = run_meta()  # now: the commit and tree that were imported, not those at the end
     w = Workload(**{k: getattr(args, k) for k in asdict(Workload())})
     seqs = make_workload(w)
     modes = [(a, d) for d in args.decode_mode for a in args.arrays]
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     summary, peers = summarise(ours, peer_runs)
     print_summary(summary, peers)
     if args.json:
-        out = dict(meta=run_meta(), workload=asdict(w), reps=args.reps,
+        out = dict(meta=meta, workload=asdict(w), reps=args.reps,
                    peer_command=None if args.no_peers else
                    "OMP_NUM_THREADS=1 PYTHONPATH=<peers>/stubs " + " ".join(cmd),
                    summary=summary, sglang=peers,

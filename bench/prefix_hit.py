@@ -38,6 +38,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    meta = run_meta()  # before the runs: the commit that was imported
     cfg = CacheConfig(page_size=args.page, window=128, compress_ratios=V4_FLASH_RATIOS,
                       overlap_ratios=(4,), full_capacity=400_000 // args.page * args.page,
                       swa_capacity=40_000 // args.page * args.page)  # fmt: skip
@@ -74,7 +75,7 @@ def main() -> int:
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(8)
-    out = dict(meta=run_meta(), prefix=args.prefix, page=args.page,
+    out = dict(meta=meta, prefix=args.prefix, page=args.page,
                us_per_request=statistics.median(per), reps_us=per)  # fmt: skip
     print(json.dumps(out))
     print(text.getvalue())
