@@ -20,7 +20,9 @@ slots on the device); *built* touches ``allocation.arrays`` after every extend (
 The driver runs as a subprocess between our repetitions (interleaved: A, B, peers, A, B, peers,
 ...), and every figure is the median over repetitions. Ratios are against the best SGLang
 hybrid tree core (``UnifiedRadixCache`` with FULL + SWA components, python or rust: the same
-job as ours), and, for context, its full-attention-only trees.
+job as ours), and, for context, its full-attention-only trees. ``--gc-collect`` starts every
+timed run of both sides from a collected heap (SGLang's through `bench/sglang_gc_driver.py`):
+otherwise a full collection owed to a harness's setup lands in whichever timed run comes first.
 
     python bench/peer_trace.py --reps 3 --json bench/results/peer_trace_cpu.json
     python bench/peer_trace.py --reqs 100 --no-peers          # ours only, quick
@@ -29,6 +31,7 @@ job as ours), and, for context, its full-attention-only trees.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -148,8 +151,12 @@ def run_ours(w: Workload, seqs: list[np.ndarray], arrays: str, decode: str = "ch
 _ROW = re.compile(r"^(\S+)\s+core=(\S+)\s+reqs=\d+ wall=\S+ req/s=([\d,]+) prompt_hit=([\d.]+)")
 
 
-def driver_command(w: Workload, python: Path, peers: Path) -> list[str]:
-    return [str(python), str(peers / "sglang_swa_driver.py"), *w.driver_args(), "--backend=both"]
+def driver_command(w: Workload, python: Path, peers: Path, gc_collect: bool = False) -> list[str]:
+    """The driver's command line; with ``gc_collect`` run through `bench/sglang_gc_driver.py`
+    (the same driver, a ``gc.collect()`` before each of its timed runs)."""
+    wrap = [str(ROOT / "bench" / "sglang_gc_driver.py")] if gc_collect else []
+    driver = str(peers / "sglang_swa_driver.py")
+    return [str(python), *wrap, driver, *w.driver_args(), "--backend=both"]
 
 
 def parse_driver_output(text: str) -> dict[str, dict[str, object]]:
@@ -238,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         help="decode in one extend (as the driver allocates it) or token by token",
     )
     ap.add_argument("--no-peers", action="store_true", help="run ours only")
+    ap.add_argument("--gc-collect", action="store_true",
+                    help="gc.collect() before every timed run, ours and SGLang's")  # fmt: skip
     ap.add_argument("--peer-python", type=Path, default=PEER_PYTHON)
     ap.add_argument("--peers-dir", type=Path, default=PEERS)
     ap.add_argument("--json", type=Path, default=None)
@@ -246,11 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     w = Workload(**{k: getattr(args, k) for k in asdict(Workload())})
     seqs = make_workload(w)
     modes = [(a, d) for d in args.decode_mode for a in args.arrays]
-    cmd = driver_command(w, args.peer_python, args.peers_dir)
+    cmd = driver_command(w, args.peer_python, args.peers_dir, args.gc_collect)
     ours: dict[str, list[OurRun]] = {}
     peer_runs, peer_log = [], []
     for rep in range(args.reps):
         for arrays, decode in modes:
+            if args.gc_collect:
+                gc.collect()
             res = run_ours(w, seqs, arrays, decode)
             ours.setdefault(f"{arrays}/{decode}", []).append(res)
             print(f"rep {rep} ours {arrays}/{decode}: {res.requests_per_s:,.0f} req/s "
@@ -264,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     summary, peers = summarise(ours, peer_runs)
     print_summary(summary, peers)
     if args.json:
-        out = dict(meta=meta, workload=asdict(w), reps=args.reps,
+        out = dict(meta=meta, workload=asdict(w), reps=args.reps, gc_collect=args.gc_collect,
                    peer_command=None if args.no_peers else
                    "OMP_NUM_THREADS=1 PYTHONPATH=<peers>/stubs " + " ".join(cmd),
                    summary=summary, sglang=peers,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -90,3 +91,22 @@ def test_peer_trace_parses_the_sglang_driver_output() -> None:
     assert rows["unified_swa[rust]"] == dict(core="RustUnifiedTreeCore", requests_per_s=1018.0,
                                              hit_ratio=0.669, invariants_ok=True)  # fmt: skip
     assert rows["plain"]["requests_per_s"] == 1473.0 and rows["plain"]["invariants_ok"] is False
+
+
+def test_sglang_gc_wrapper_collects_before_each_timed_run(tmp_path: Path) -> None:
+    """bench/sglang_gc_driver.py runs a driver's main() unchanged, collecting before each run()."""
+    fake = tmp_path / "driver.py"
+    fake.write_text(
+        "import gc, sys\n"
+        "def run(tag):\n    print(tag, gc.get_count()[0], sys.argv[1:])\n"
+        "def main():\n    keep = [[] for _ in range(3000)]\n    run('a')\n"
+        "    keep += [[] for _ in range(600)]\n    run('b')\n"
+    )
+    wrapper = str(ROOT / "bench/sglang_gc_driver.py")
+    out = subprocess.run([sys.executable, wrapper, str(fake), "--x"], capture_output=True,
+                         text=True, check=True).stdout.split("\n")  # fmt: skip
+    assert [line.split()[0] for line in out if line] == ["a", "b"]
+    assert all(int(line.split()[1]) < 100 and "['--x']" in line for line in out if line)
+    bench = _load_bench("peer_trace")
+    cmd = bench.driver_command(bench.Workload(), Path("py"), Path("peers"), gc_collect=True)
+    assert cmd[1].endswith("bench/sglang_gc_driver.py") and cmd[2] == "peers/sglang_swa_driver.py"
