@@ -41,6 +41,7 @@ from .graph_decode import (
     _bucket,
     _page_lookup,
     _with_late_mask,
+    context_bucket,
 )
 from .kernels import PoolRows
 from .model import final_hidden, head_logits
@@ -284,10 +285,8 @@ class GraphVerifier(GraphDecoder):
         if any(len(c) != self.num_tokens for c in chunks):
             raise ValueError(f"a verify step takes exactly {self.num_tokens} tokens per request")
         self.buffers.load_block(requests, chunks, prev_hidden)
-        context = min(
-            _bucket(max(r.length for r in requests), self.min_context_bucket),
-            self.buffers.max_context,
-        )
+        longest = max(r.length for r in requests)
+        context = context_bucket(longest, self.min_context_bucket, self.buffers.max_context)
         batch = min(_bucket(len(requests), 1), self.buffers.max_batch)
         if not self.use_graphs:
             packed = self._run(batch, context)
