@@ -37,7 +37,8 @@ class StreamMeta:
     entry_slot: torch.Tensor  # (B,) where the completed entry goes (sentinel if none)
     read_pages: torch.Tensor | None  # (B, G / spp) virtual pages, when page_size >= ratio
     read_slots: torch.Tensor | None  # (B, G) every entry slot, when page_size < ratio
-    visible: torch.Tensor  # (B, G): entries up to the bucket's context; complete ones visible
+    lengths: torch.Tensor  # (B,) complete entries (a prefix of the G columns; 0 for padding)
+    width: int  # G: the entry columns of the bucket's context
     slots_per_page: int
 
     def rows(self, qrow: torch.Tensor | None = None) -> PoolRows:
@@ -45,7 +46,7 @@ class StreamMeta:
         table (``page_size >= ratio``) or the slot table; ``qrow``: the batch row of each
         query row (None: one query per batch row)."""
         return PoolRows.of_tables(
-            self.read_pages, self.read_slots, self.visible, self.slots_per_page, qrow
+            self.read_pages, self.read_slots, self.lengths, self.width, self.slots_per_page, qrow
         )
 
 
@@ -165,12 +166,14 @@ def decode_metadata(
         if p >= r:
             npages = -(-context // p)
             read_pages = buf.vtable[:, :npages]
-            g = torch.arange(npages * s.slots_per_page, device=dev)
+            columns = npages * s.slots_per_page
         else:
-            g = torch.arange(max(1, context // r), device=dev)
+            columns = max(1, context // r)
+            g = torch.arange(columns, device=dev)
             ends_b = ((g + 1) * r - 1)[None, :].expand(t.shape[0], -1)
             read_slots = _page_lookup(buf.vtable, ends_b, p) * s.slots_per_page
-        visible = (g[None, :] < ((t + 1) // r)[:, None]) & valid[:, None]
+        # no (B, G) mask: the visible entries are a prefix of each row, counted directly
+        lengths = torch.where(valid, ((t + 1) // r).clamp(max=columns), 0)
         streams[r] = StreamMeta(
             ring_new,
             group_rows,
@@ -179,7 +182,8 @@ def decode_metadata(
             entry_slot,
             read_pages,
             read_slots,
-            visible,
+            lengths,
+            columns,
             s.slots_per_page,
         )
     return DecodeMeta(t, swa_new, window_slots, wmask, streams)

@@ -98,13 +98,14 @@ class VerifyStreamMeta:
     entry_slot: torch.Tensor  # (N,) where the completed entry goes (sentinel if none)
     read_pages: torch.Tensor | None  # (B, G / spp) virtual pages, when page_size >= ratio
     read_slots: torch.Tensor | None  # (B, G) every entry slot, when page_size < ratio
-    visible: torch.Tensor  # (N, G)
+    lengths: torch.Tensor  # (N,) complete entries of each query row (a prefix of G columns)
+    width: int  # G
     slots_per_page: int
 
     def rows(self, qrow: torch.Tensor | None = None) -> PoolRows:
         """Every visible entry of each query row (see `StreamMeta.rows`)."""
         return PoolRows.of_tables(
-            self.read_pages, self.read_slots, self.visible, self.slots_per_page, qrow
+            self.read_pages, self.read_slots, self.lengths, self.width, self.slots_per_page, qrow
         )
 
 
@@ -181,12 +182,13 @@ def _stream_meta(cache, pools, s, buf, batch, context, pos, valid, page_s) -> Ve
     if p >= r:
         npages = -(-context // p)
         read_pages = vtable[:, :npages]
-        g = torch.arange(npages * s.slots_per_page, device=dev)
+        columns = npages * s.slots_per_page
     else:
-        g = torch.arange(max(1, context // r), device=dev)
+        columns = max(1, context // r)
+        g = torch.arange(columns, device=dev)
         ends = ((g + 1) * r - 1)[None, :].expand(batch, -1)
         read_slots = _page_lookup(vtable, ends, p) * s.slots_per_page
-    visible = (g[None, None, :] < ((pos + 1) // r)[:, :, None]) & valid[:, :, None]
+    lengths = torch.where(valid, ((pos + 1) // r).clamp(max=columns), 0)  # (B, T): prefixes
     return VerifyStreamMeta(
         ring_new.reshape(n),
         group_rows.reshape(n, width),
@@ -196,7 +198,8 @@ def _stream_meta(cache, pools, s, buf, batch, context, pos, valid, page_s) -> Ve
         entry_slot.reshape(n),
         read_pages,
         read_slots,
-        visible.reshape(n, -1),
+        lengths.reshape(n),
+        columns,
         s.slots_per_page,
     )
 

@@ -35,14 +35,15 @@ def test_shared_rows_select_queries() -> None:
 
 
 def test_of_tables_takes_the_page_table_first() -> None:
-    visible = torch.tensor([[True, True, False, False], [True, False, False, False]])
+    lengths = torch.tensor([2, 1])
     pages = torch.tensor([[2], [0]])
-    rows = PoolRows.of_tables(pages, None, visible, 4, None)
-    assert rows.slots_per_page == 4 and rows.lengths.tolist() == [2, 1]
+    rows = PoolRows.of_tables(pages, None, lengths, 4, 4, None)
+    assert rows.slots_per_page == 4 and rows.lengths.tolist() == [2, 1] and rows.num_rows == 4
     slots = torch.arange(8).view(2, 4)
-    assert PoolRows.of_tables(None, slots, visible, 4, None).slots_per_page == 1
+    by_slot = PoolRows.of_tables(None, slots, lengths, 3, 4, None)
+    assert by_slot.slots_per_page == 1 and by_slot.num_rows == 3
     with pytest.raises(ValueError, match="table"):
-        PoolRows.of_tables(None, None, visible, 4, None)
+        PoolRows.of_tables(None, None, lengths, 4, 4, None)
 
 
 @pytest.mark.parametrize(

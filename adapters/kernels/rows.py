@@ -54,19 +54,19 @@ class PoolRows:
         cls,
         read_pages: torch.Tensor | None,
         read_slots: torch.Tensor | None,
-        visible: torch.Tensor,
+        lengths: torch.Tensor,
+        width: int,
         slots_per_page: int,
         qrow: torch.Tensor | None,
     ) -> PoolRows:
         """A graph step's stream as rows: its page table (``read_pages``, when page_size >=
-        ratio) or else its slot table, and each query row's visible prefix (``visible``
-        ``(N, G)``, a prefix of every row)."""
-        lengths = visible.sum(-1)
+        ratio) or else its slot table, each query row's visible prefix ``lengths`` ``(N,)``
+        and ``width`` rows per set (the step's entry columns)."""
         if read_pages is None:
             if read_slots is None:
                 raise ValueError("a page table or a slot table is needed")
-            return cls(read_slots, lengths, qrow, 1, visible.shape[1])
-        return cls(read_pages, lengths, qrow, slots_per_page, visible.shape[1])
+            return cls(read_slots, lengths, qrow, 1, width)
+        return cls(read_pages, lengths, qrow, slots_per_page, width)
 
     @property
     def capacity(self) -> int:
