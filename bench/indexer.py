@@ -361,6 +361,17 @@ def shared_decode(run: Run, b: int, kdt) -> None:
         out = torch.empty(b, g_rows, device=run.dev)
         fn = [lambda o=out, s=split: run.kernel(q, w, keys, scale, rows, out=o, shared_prefix=s)]
         run.timed(f"kernel decode {tag} shared prefix, split={split}", shape, fn, 5, key_bytes)
+    if kdt == FP8:  # the FP8 indexer as the runner calls it: q rounded to e4m3 (FP8_Q)
+        q8 = dict(fp8_mode=run.ix.Fp8Mode.FP8_Q)
+        want = _reference(run, (q, w, keys, scale, rows), fp8_q=True)
+        for split in (True, False):
+            got = run.kernel(q, w, keys, scale, rows, shared_prefix=split, **q8)
+            run.compare(f"decode {shape} FP8_Q split={split}", got, want, 1e-3)
+            out = torch.empty(b, g_rows, device=run.dev)
+            fn = [lambda o=out, s=split: run.kernel(q, w, keys, scale, rows, out=o,
+                                                    shared_prefix=s, **q8)]  # fmt: skip
+            run.timed(f"kernel decode fp8 q+keys shared prefix, split={split}", shape, fn, 5,
+                      key_bytes)  # fmt: skip
     run.save()
 
 
@@ -416,6 +427,8 @@ FP8_CANDIDATES = {
         ("FP8_DOT", {}),  # 98 regs x 8 warps, 2 buffers
         ("FP8_DOT", dict(num_stages=5)),  # 3 buffers
         ("FP8_DOT", dict(block_e=64, num_warps=4, num_stages=5, per_sm=4)),  # 102 regs, 42 KB
+        ("FP8_Q", {}),  # q rounded to e4m3: another function, checked against its reference
+        ("FP8_Q", dict(block_e=64, num_warps=4, per_sm=4)),
     ],
     "prefill": [
         ("DOT_A", {}),  # the FP8 default until now: 171 regs x 8 warps, 1 program per SM
@@ -426,9 +439,13 @@ FP8_CANDIDATES = {
         ("STAGED_F16", {}),  # maxnreg 128
         ("FP8_DOT", {}),  # 2 queries x 64 rows (N = 256 with the two parts), maxnreg 128
         ("FP8_DOT", dict(block_q=4, maxnreg=168, per_sm=1)),  # N = 512
+        ("FP8_Q", {}),  # 4 queries x 64 rows (N = 256), as bf16 keys
+        ("FP8_Q", dict(block_q=2, num_warps=4, per_sm=4)),
     ],
 }
-FP8_TOLERANCE = {"FP8_DOT": 1e-3}  # relative L2 accepted; every other mode: 1e-5
+# relative L2 accepted for Hopper's FP8 accumulation (FP8_Q against the reference's fp8_q);
+# every other mode: 1e-5
+FP8_TOLERANCE = {"FP8_DOT": 1e-3, "FP8_Q": 1e-3}
 
 SWEEP_DECODE = {
     "bf16": [
@@ -486,6 +503,9 @@ class Fp8Shape:
         self.odd = odd
         self.odd_want = _reference(run, odd)
         self.want = {k: _reference(run, sets[0]) for k, sets in self.cases.items()}
+        # FP8_Q is another function (q rounded to e4m3): its own references
+        self.want_q8 = _reference(run, self.cases[FP8][0], fp8_q=True)
+        self.odd_want_q8 = _reference(run, odd, fp8_q=True)
         self.outs = [torch.empty(r.num_queries, r.num_rows, device=run.dev)
                      for *_, r in self.cases[FP8]]  # fmt: skip
 
@@ -501,9 +521,9 @@ class Fp8Shape:
                 for s, o in zip(self.cases[kdt], self.outs)]  # fmt: skip
 
 
-def _reference(run: Run, case) -> torch.Tensor:
+def _reference(run: Run, case, fp8_q: bool = False) -> torch.Tensor:
     q, w, keys, scale, rows = case
-    return run.ref.index_logits_reference(q, w, keys, rows, key_scale=scale)
+    return run.ref.index_logits_reference(q, w, keys, rows, key_scale=scale, fp8_q=fp8_q)
 
 
 def _compiled(run: Run) -> dict:
@@ -541,13 +561,15 @@ def fp8_path(run: Run, sh: Fp8Shape, kdt, mode: str | None, knobs: dict, odd: bo
         if mode:
             dft = run.ix.ONE_DOT_LAUNCH[(sh.kind == "prefill", run.ix.Fp8Mode[mode])]
             row["launch"] = dft._replace(**knobs)._asdict()
+        q8 = mode == "FP8_Q"
         got = run.kernel(*sh.cases[kdt][0], **full)
-        chk = run.compare(f"{sh.name} {label}", got, sh.want[kdt], tol)
+        chk = run.compare(f"{sh.name} {label}", got, sh.want_q8 if q8 else sh.want[kdt], tol)
         row.update(ok=chk["ok"], rel_l2=chk["rel_l2"], max_err_over_max=chk["max_err_over_max"])
         del got
         if odd:
             got = run.kernel(*sh.odd, **full)
-            chk = run.compare(f"{sh.name} {label} / {sh.odd_name}", got, sh.odd_want, tol)
+            odd_want = sh.odd_want_q8 if q8 else sh.odd_want
+            chk = run.compare(f"{sh.name} {label} / {sh.odd_name}", got, odd_want, tol)
             row.update(odd_ok=chk["ok"], odd_rel_l2=chk["rel_l2"])
             del got
         t = run.timed(label, sh.name, sh.fns(kdt, full), sh.calls, sh.key_bytes(kdt), sh.flops,

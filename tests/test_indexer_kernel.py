@@ -227,14 +227,29 @@ def check_fp8_modes(ix):
     pre = index_logits_reference(sqb, swb, sk8, srows, key_scale=ss)
     mixed = PoolRows(srows.table.repeat(2, 1), srows.lengths, torch.tensor([0, 0, 1, 0, 1, 1]), 4)
     mix = index_logits_reference(sqb, swb, sk8, mixed, key_scale=ss)
+    # FP8_Q rounds q to e4m3 (another function): against the reference's fp8_q
+    q8 = dict(fp8_q=True)
+    dec_q8 = index_logits_reference(qb, wb, k8, rows, key_scale=scale, **q8)
+    pre_q8 = index_logits_reference(sqb, swb, sk8, srows, key_scale=ss, **q8)
+    mix_q8 = index_logits_reference(sqb, swb, sk8, mixed, key_scale=ss, **q8)
+    assert not torch.equal(dec_q8, dec)  # the rounding shows
     for mode in ix.Fp8Mode:
+        q_rounded = mode == ix.Fp8Mode.FP8_Q
         got = ix.flash_index_logits(qb, wb, k8, rows, key_scale=scale, fp8_mode=mode,
                                     block_e=16, span=32)  # fmt: skip
-        _close(got, dec)
-        for r, want in ((srows, pre), (mixed, mix)):
+        _close(got, dec_q8 if q_rounded else dec)
+        wants = ((srows, pre_q8), (mixed, mix_q8)) if q_rounded else ((srows, pre), (mixed, mix))
+        for r, want in wants:
             got = ix.flash_index_logits(sqb, swb, sk8, r, key_scale=ss, fp8_mode=mode,
                                         block_q=4, block_e=16)  # fmt: skip
             _close(got, want)
+    # one huge channel (that no key reads): the others fall to e4m3's subnormal steps, where
+    # the top binade the scale aims at (2**7) decides the rounding
+    wide, k0 = qb.clone(), k8.clone()
+    wide[:, :, 0], k0[:, 0] = 1e5, 0.0
+    got = ix.flash_index_logits(wide, wb, k0, rows, key_scale=scale, fp8_mode=ix.Fp8Mode.FP8_Q,
+                                block_e=16, span=32)  # fmt: skip
+    _close(got, index_logits_reference(wide, wb, k0, rows, key_scale=scale, fp8_q=True))
     qh, wh = q.half(), w.half()
     want = index_logits_reference(qh, wh, k8, rows, key_scale=scale)
     got = ix.flash_index_logits(qh, wh, k8, rows, key_scale=scale,
@@ -382,8 +397,12 @@ def check_fp8_mode_choice(ix):
         assert ix.fp8_mode_for(bf, FP8, False) == mode.FP8_DOT
     finally:
         plans.FP8_DECODE_MODE = before
-    assert [m.key_operand for m in mode] == [0, 1, 2, 2, 0]
-    assert [m.q_format for m in mode] == [0, 0, 0, 1, 2]
+    assert [m.key_operand for m in mode] == [0, 1, 2, 2, 0, 0]
+    assert [m.q_format for m in mode] == [0, 0, 0, 1, 2, 3]
+    # FP8_Q (q rounded to e4m3) takes any float q but needs FP8 keys
+    assert all(ix.fp8_mode_for(t, FP8, False, mode.FP8_Q) == mode.FP8_Q for t in (f32, bf, f16))
+    with pytest.raises(ValueError, match="FP8_Q"):
+        ix.fp8_mode_for(bf, bf, False, mode.FP8_Q)
     cpu, plan = torch.device("cpu"), ix.dot_plan(bf, FP8)
     for shared in (False, True):
         for m in mode:

@@ -26,7 +26,7 @@ import types
 import torch
 
 from .attention_reference import sparse_attention_reference
-from .indexer_reference import index_logits_reference
+from .indexer_reference import FP8_DTYPES, index_logits_reference
 from .reference import (
     compress_gathered_reference,
     compress_reference,
@@ -161,17 +161,28 @@ def index_logits(
     rows: PoolRows,
     *,
     key_scale: torch.Tensor | None = None,
+    fp8_q: bool | None = None,
 ) -> torch.Tensor:
     """``(N, G)`` indexer logits of ``q`` ``(N, H, d)`` (head weights ``w`` ``(N, H)``) over
     the pool ``keys`` read through ``rows``, -inf past each query's length; see
     `indexer_reference.index_logits_reference`. FP8 keys (``key_scale`` ``(S,)``) and FP4
-    keys (V4.1, packed uint8 with block scales ``(S, d // 32)``) go to the kernel on CUDA."""
+    keys (V4.1, packed uint8 with block scales ``(S, d // 32)``) go to the kernel on CUDA.
+    ``fp8_q`` (default: with FP8 keys; only with them) rounds q to e4m3 first, as V4's FP8
+    indexer does (`indexer_reference.round_q_e4m3`; on CUDA the kernel's one fp8 dot,
+    ``Fp8Mode.FP8_Q``). Raises `ValueError` for ``fp8_q`` with other keys."""
+    if fp8_q is None:
+        fp8_q = keys.dtype in FP8_DTYPES
+    elif fp8_q and keys.dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_q rounds q for FP8 keys (the FP8 indexer), not {keys.dtype} ones")
     kernel = SPARSE_KERNELS and q.dtype != torch.float64
     if kernel and use_triton(q):  # pragma: no cover - needs a GPU
         from .indexer import flash_index_logits
+        from .indexer_plan import Fp8Mode
 
+        if fp8_q:
+            return flash_index_logits(q, w, keys, rows, key_scale=key_scale, fp8_mode=Fp8Mode.FP8_Q)
         return flash_index_logits(q, w, keys, rows, key_scale=key_scale)
-    return index_logits_reference(q, w, keys, rows, key_scale=key_scale)
+    return index_logits_reference(q, w, keys, rows, key_scale=key_scale, fp8_q=fp8_q)
 
 
 def sparse_attention(

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from .indexer_keys import _keys, _slots
 from .indexer_logits import _cols_out, _rows_out
-from .indexer_operands import _dot16, _fp8_q, _q_operands, _scaled_q
+from .indexer_operands import _dot16, _e4m3_q, _fp8_q, _q_operands, _scaled_q
 from .indexer_plan import (
     FP4_LAUNCH,
     FP8_DECODE_MODE,
@@ -96,10 +96,11 @@ def _operand(k, DOT_DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 def _rows_dot(k, q1, q2, q3, DOT_DTYPE: tl.constexpr, K_PARTS: tl.constexpr,
               Q_PARTS: tl.constexpr, Q_FORMAT: tl.constexpr):  # fmt: skip
     """``K @ Q^T`` ``(BLOCK_E, BQ*HP)`` in fp32: the interpreter in fp32 (``Q_PARTS`` 0),
-    the interleaved e4m3 parts of q (``Q_FORMAT`` 2) in one fp8 dot, else `_dot16`."""
+    e4m3 q (``Q_FORMAT`` 2: two interleaved parts, 3: rounded once) in one fp8 dot, else
+    `_dot16`."""
     if Q_PARTS == 0:
         s = tl.dot(k.to(tl.float32), q1, input_precision="ieee")
-    elif Q_FORMAT == 2:  # pragma: no cover - needs a GPU
+    elif Q_FORMAT >= 2:  # pragma: no cover - needs a GPU
         s = tl.dot(k, q1)  # fp8 x fp8
     else:  # pragma: no cover - needs a GPU
         s = _dot16(k, q1, q2, q3, K_PARTS, Q_PARTS, DOT_DTYPE)
@@ -150,7 +151,8 @@ def _span(
     ``[e_lo, e_hi)``: key tiles up to the longest length, -inf after it. ``KEY_OPERAND``
     (`Fp8Mode`): 0 keys the dot's A operand, 1 its B operand (``Q @ K^T``), 2 the A operand
     converted a tile ahead (loop-carried; ``AHEAD``: its table entries two tiles ahead);
-    ``Q_FORMAT`` 1: fp16 q (`_scaled_q`), 2: two e4m3 parts of q (`_fp8_q`)."""
+    ``Q_FORMAT`` 1: fp16 q (`_scaled_q`), 2: two e4m3 parts of q (`_fp8_q`), 3: q rounded to
+    e4m3 (`_e4m3_q`)."""
     c = tl.arange(0, BQ * HP)  # dot columns (KEY_OPERAND 1: rows): (query, head)
     qn = n0 + c // HP
     hh = c % HP
@@ -167,6 +169,10 @@ def _span(
     elif Q_FORMAT == 2:
         q1, wv = _fp8_q(q_ptr, qt, wv, n0, N, stride_qn, stride_qh, H, D, HP, DP, BQ,
                         Q_PARTS == 0)  # fmt: skip
+        q2 = q1
+        q3 = q1
+    elif Q_FORMAT == 3:
+        q1, wv = _e4m3_q(qt, wv, Q_PARTS == 0)
         q2 = q1
         q3 = q1
     elif Q_PARTS == 0:  # the interpreter (`INTERPRETER_PLAN`): fp32 operands

@@ -1,6 +1,7 @@
 """The query-side operands of the fused indexer's dots (`indexer`): bf16 parts of fp32 values
-whose sum is the value (`_parts`, `_dot16`), fp16 q scaled by powers of two (`_scaled_q`), and
-q as two e4m3 parts for fp8 x fp8 dots (`_fp8_q`). Triton device functions only.
+whose sum is the value (`_parts`, `_dot16`), fp16 q scaled by powers of two (`_scaled_q`), q as
+two e4m3 parts for fp8 x fp8 dots (`_fp8_q`), and q rounded to e4m3 once (`_e4m3_q`, the FP8
+indexer's own rounding). Triton device functions only.
 """
 
 from __future__ import annotations
@@ -132,3 +133,16 @@ def _fp8_q(q_ptr, qt, wv, n0, N, stride_qn, stride_qh, H: tl.constexpr, D: tl.co
         p2 = ((x - p1.to(tl.float32)) * 16.0).to(tl.float8e4nv)
         qs = tl.where((c % 2 == 0)[None, :], p1, p2)
     return qs, wv * _pow2(-_column_exponents(qt, 7))
+
+
+@triton.jit
+def _e4m3_q(qt, wv, INTERPRETED: tl.constexpr):
+    """q rounded to e4m3 (Q_FORMAT 3: V4's FP8 indexer, q and keys both e4m3): each column of
+    fp32 ``Q^T`` (one query head) scaled by a power of two into ``[2**7, 2**8)`` and rounded
+    to nearest, ties to even (`indexer_reference.round_q_e4m3` is the same rounding); its
+    ``2**-a`` moves to the head weights ``wv`` as in `_scaled_q`."""
+    a = _column_exponents(qt, 7)
+    x = qt * _pow2(a)[None, :]
+    if INTERPRETED:  # the interpreter's fp32 -> e4m3 cast is wrong at times: by arithmetic
+        return _e4m3_values(x), wv * _pow2(-a)
+    return x.to(tl.float8e4nv), wv * _pow2(-a)  # pragma: no cover - needs a GPU

@@ -84,6 +84,11 @@ class Fp8Mode(enum.IntEnum):
       power-of-two scale; bf16-exact but for entries below 2**-14 of the largest),
       interleaved along N: one fp8 x fp8 dot straight from the loaded tile. Hopper adds FP8
       products in fewer bits than fp32: approximate (``bench/indexer.py`` reports the error).
+    * ``FP8_Q``: q itself rounded to e4m3 (per query head, by a power of two into the top
+      binade 2**7), one fp8 x fp8 dot straight from the loaded tile: half ``FP8_DOT``'s
+      columns. A different function, not an approximation of the others: V4's FP8 indexer
+      (q and keys e4m3), the reference's ``fp8_q`` (`kernels.index_logits` takes it for FP8
+      keys); the products are added by Hopper's FP8 accumulation as in ``FP8_DOT``.
     """
 
     DOT_A = 0
@@ -91,6 +96,7 @@ class Fp8Mode(enum.IntEnum):
     STAGED = 2
     STAGED_F16 = 3
     FP8_DOT = 4
+    FP8_Q = 5
 
     @property
     def key_operand(self) -> int:
@@ -99,8 +105,9 @@ class Fp8Mode(enum.IntEnum):
 
     @property
     def q_format(self) -> int:
-        """The kernel's ``Q_FORMAT``: 0 q's plan, 1 scaled fp16, 2 two e4m3 parts."""
-        return {Fp8Mode.STAGED_F16: 1, Fp8Mode.FP8_DOT: 2}.get(self, 0)
+        """The kernel's ``Q_FORMAT``: 0 q's plan, 1 scaled fp16, 2 two e4m3 parts, 3 q rounded
+        to e4m3."""
+        return {Fp8Mode.STAGED_F16: 1, Fp8Mode.FP8_DOT: 2, Fp8Mode.FP8_Q: 3}.get(self, 0)
 
 
 # The FP8 paths in use: the fastest exact ones of bench/indexer.py --fp8-candidates on the H200
@@ -146,6 +153,9 @@ ONE_DOT_LAUNCH = {  # (shared, FP8 mode or None: 16-bit keys)
     (True, Fp8Mode.STAGED_F16): Launch(4, 64, 8, 2, 3, 128),
     (False, Fp8Mode.FP8_DOT): Launch(1, 128, 8, 2, 4),
     (True, Fp8Mode.FP8_DOT): Launch(2, 64, 8, 2, 3, 128),
+    # FP8_Q: FP8_DOT's best decode launch (5 stages); prefill as 16-bit keys (same columns)
+    (False, Fp8Mode.FP8_Q): Launch(1, 128, 8, 2, 5),
+    (True, Fp8Mode.FP8_Q): Launch(4, 64, 8, 2, 3),
 }
 # FP4 keys (by shared), unmeasured: compiled without a GPU (Triton 3.9, sm_90a), decode 128
 # rows x 8 warps take 152 registers a thread, one program per SM (FP8 DOT_A's defaults would
@@ -159,13 +169,18 @@ def fp8_mode_for(
     """The FP8 path of a launch: ``requested``, else `FP8_PREFILL_MODE` (``shared``) or
     `FP8_DECODE_MODE` for FP8 keys with 16-bit q, else ``DOT_A`` (the other mixes have no
     choice). ``FP8_DOT`` needs bf16 q (its two e4m3 parts hold 8 of fp16's 11 bits): a
-    default of ``FP8_DOT`` gives fp16 q ``DOT_A``. Raises `ValueError` for a requested mode
-    other than ``DOT_A`` that does not apply."""
+    default of ``FP8_DOT`` gives fp16 q ``DOT_A``. ``FP8_Q`` (q rounded to e4m3: any float q)
+    is only ever requested. Raises `ValueError` for a requested mode other than ``DOT_A`` that
+    does not apply."""
     applies = key_dtype in FP8_DTYPES and q_dtype in DOT_16
     if requested is None:
         mode = (FP8_PREFILL_MODE if shared else FP8_DECODE_MODE) if applies else Fp8Mode.DOT_A
         return Fp8Mode.DOT_A if mode == Fp8Mode.FP8_DOT and q_dtype != torch.bfloat16 else mode
     requested = Fp8Mode(requested)
+    if requested == Fp8Mode.FP8_Q:
+        if key_dtype not in FP8_DTYPES or q_dtype not in DOT_16 + (torch.float32,):
+            raise ValueError("fp8_mode FP8_Q needs FP8 keys and bf16/fp16/fp32 q")
+        return requested
     if requested != Fp8Mode.DOT_A and not applies:
         raise ValueError(f"fp8_mode {requested.name} needs FP8 keys and 16-bit q")
     if requested == Fp8Mode.FP8_DOT and q_dtype != torch.bfloat16:

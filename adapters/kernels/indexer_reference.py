@@ -40,6 +40,19 @@ def dequantize_keys(keys: torch.Tensor, key_scale: torch.Tensor | None, dt: torc
     return keys.to(dt)
 
 
+def round_q_e4m3(q: torch.Tensor) -> torch.Tensor:
+    """``q`` ``(..., d)`` as V4's FP8 indexer queries, in fp32 (fp64 for fp64 ``q``): each
+    head's vector scaled by the power of two ``2**a`` that puts its largest magnitude in
+    ``[2**7, 2**8)``, rounded to the nearest e4m3 value (ties to even; below 2**-6 the
+    format's subnormal steps of 2**-9) and scaled back. The kernel's ``Fp8Mode.FP8_Q`` rounds
+    alike (it keeps the scale in the head weights instead: the same products)."""
+    x = q.float()
+    _, e = torch.frexp(x.abs().amax(-1, keepdim=True))  # max = m 2**e, m in [0.5, 1)
+    a = (8 - e).clamp(-100, 100)  # 7 - floor(log2 max)
+    r = torch.ldexp(torch.ldexp(x, a).to(torch.float8_e4m3fn).float(), -a)
+    return r.double() if q.dtype == torch.float64 else r
+
+
 def index_logits_reference(
     q: torch.Tensor,
     w: torch.Tensor,
@@ -47,10 +60,14 @@ def index_logits_reference(
     rows: PoolRows,
     *,
     key_scale: torch.Tensor | None = None,
+    fp8_q: bool = False,
     tile_bytes: int = 1 << 28,
 ) -> torch.Tensor:
     """``(N, G)`` logits (fp32, fp64 for fp64 ``q``) of ``q`` ``(N, H, d)`` with head weights
-    ``w`` ``(N, H)`` over ``keys`` ``(S, d)`` read through ``rows``; -inf past each length."""
+    ``w`` ``(N, H)`` over ``keys`` ``(S, d)`` read through ``rows``; -inf past each length.
+    ``fp8_q``: q rounded to e4m3 first (`round_q_e4m3`)."""
+    if fp8_q:
+        q = round_q_e4m3(q)
     n, _, d = q.shape
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     g = rows.num_rows
