@@ -566,8 +566,10 @@ def fp8_path(run: Run, sh: Fp8Shape, kdt, mode: str | None, knobs: dict, odd: bo
         chk = run.compare(f"{sh.name} {label}", got, sh.want_q8 if q8 else sh.want[kdt], tol)
         row.update(ok=chk["ok"], rel_l2=chk["rel_l2"], max_err_over_max=chk["max_err_over_max"])
         del got
-        if odd:
-            got = run.kernel(*sh.odd, **full)
+        if odd:  # the mode alone: no shared-prefix split (its shared half is a prefill tile)
+            got = run.kernel(
+                *sh.odd, **full, **({"shared_prefix": False} if sh.kind == "decode" else {})
+            )
             odd_want = sh.odd_want_q8 if q8 else sh.odd_want
             chk = run.compare(f"{sh.name} {label} / {sh.odd_name}", got, odd_want, tol)
             row.update(odd_ok=chk["ok"], odd_rel_l2=chk["rel_l2"])

@@ -1,6 +1,6 @@
 """V4's FP8 indexer rounds its queries to e4m3 (`indexer_reference.round_q_e4m3`): the rule by
 hand (the power-of-two scale into the top binade, ties to even, the subnormal steps), and the
-dispatch that applies it for FP8 keys on every path (`kernels.index_logits`)."""
+dispatch that applies it when asked (`kernels.index_logits`)."""
 
 from __future__ import annotations
 
@@ -30,23 +30,19 @@ def test_rounding_by_hand() -> None:
     assert round_q_e4m3(torch.ones(1, 2, dtype=torch.float64)).dtype == torch.float64
 
 
-def test_fp8_keys_round_q_on_every_path() -> None:
-    """The dispatch rounds q for FP8 keys (the paged prefill's selection and graph decode call
-    it): it equals the reference with ``fp8_q`` and differs from the unrounded logits; other
-    other keys refuse it."""
+def test_fp8_q_is_asked_for_and_only_with_fp8_keys() -> None:
+    """The dispatch rounds q when asked (FP8 keys): it equals the reference with ``fp8_q`` and
+    differs from the unrounded logits, which stay the default; other keys refuse it."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(3, 4, 32, generator=gen).bfloat16()
     w = torch.randn(3, 4, generator=gen).bfloat16()
     keys = torch.randn(64, 32, generator=gen)
     rows = PoolRows(torch.tensor([[0, 1], [2, 3], [1, 0]]), torch.tensor([16, 9, 0]), None, 8)
     k8, scale = keys.to(torch.float8_e4m3fn), torch.rand(64, generator=gen) + 0.5
-    got = kernels.index_logits(q, w, k8, rows, key_scale=scale)
+    got = kernels.index_logits(q, w, k8, rows, key_scale=scale, fp8_q=True)
     rounded = index_logits_reference(q, w, k8, rows, key_scale=scale, fp8_q=True)
     exact = index_logits_reference(q, w, k8, rows, key_scale=scale)
     assert torch.equal(got, rounded) and not torch.equal(got, exact)
-    unrounded = kernels.index_logits(q, w, k8, rows, key_scale=scale, fp8_q=False)
-    assert torch.equal(unrounded, exact)
-    plain = kernels.index_logits(q, w, keys.bfloat16(), rows)
-    assert torch.equal(plain, index_logits_reference(q, w, keys.bfloat16(), rows))
+    assert torch.equal(kernels.index_logits(q, w, k8, rows, key_scale=scale), exact)
     with pytest.raises(ValueError, match="fp8_q"):  # as the kernel would refuse it
         kernels.index_logits(q, w, keys.bfloat16(), rows, fp8_q=True)

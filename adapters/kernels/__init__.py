@@ -161,18 +161,19 @@ def index_logits(
     rows: PoolRows,
     *,
     key_scale: torch.Tensor | None = None,
-    fp8_q: bool | None = None,
+    fp8_q: bool = False,
 ) -> torch.Tensor:
     """``(N, G)`` indexer logits of ``q`` ``(N, H, d)`` (head weights ``w`` ``(N, H)``) over
     the pool ``keys`` read through ``rows``, -inf past each query's length; see
     `indexer_reference.index_logits_reference`. FP8 keys (``key_scale`` ``(S,)``) and FP4
     keys (V4.1, packed uint8 with block scales ``(S, d // 32)``) go to the kernel on CUDA.
-    ``fp8_q`` (default: with FP8 keys; only with them) rounds q to e4m3 first, as V4's FP8
-    indexer does (`indexer_reference.round_q_e4m3`; on CUDA the kernel's one fp8 dot,
-    ``Fp8Mode.FP8_Q``). Raises `ValueError` for ``fp8_q`` with other keys."""
-    if fp8_q is None:
-        fp8_q = keys.dtype in FP8_DTYPES
-    elif fp8_q and keys.dtype not in FP8_DTYPES:
+    ``fp8_q`` (FP8 keys only) rounds q to e4m3 first, as V4's FP8 indexer does
+    (`indexer_reference.round_q_e4m3`; on CUDA the kernel's one fp8 dot, ``Fp8Mode.FP8_Q``).
+    Not the runner's default: on the H200 it is faster than 16-bit q for decode without shared
+    rows (19 against 23 µs at 1 x 262,144 rows) but slower where the key tiles are shared (the
+    shared-prefix decode, prefill): docs/benchmarks.md. Raises `ValueError` for ``fp8_q``
+    with other keys."""
+    if fp8_q and keys.dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_q rounds q for FP8 keys (the FP8 indexer), not {keys.dtype} ones")
     kernel = SPARSE_KERNELS and q.dtype != torch.float64
     if kernel and use_triton(q):  # pragma: no cover - needs a GPU
