@@ -1,6 +1,8 @@
-"""Who runs, a role of `Runner`: a request's checks at submission, admission control (room
-for the whole request in both pools), preemption of the most recently admitted request when an
-extend runs out of pages, and how many tokens fit the HiSparse device buffer."""
+"""Who runs, a role of `Runner`: a request's checks at submission, admission in the waiting
+queue's order (`waiting.WaitingQueue`: priority, then longest prefix first or arrival) with
+admission control (room for the whole request in both pools), preemption (the lowest priority,
+then the most recently admitted) when an extend runs out of pages or a higher-priority request
+waits for room, and how many tokens fit the HiSparse device buffer."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shadowradix import CapacityError, InvalidRequestError
+from shadowradix import CapacityError, InvalidRequestError, MatchResult
 
 from .runner_base import RunnerBase
 from .sampling import SamplingParams
@@ -21,6 +23,16 @@ def _token(t: object) -> int:
     if isinstance(t, (bool, np.bool_)):
         raise TypeError(f"{t!r} is a bool")
     return operator.index(t)  # type: ignore[arg-type]
+
+
+def check_priority(priority: object) -> int:
+    """A request's priority: an int (higher runs first); `InvalidRequestError` otherwise."""
+    if isinstance(priority, (bool, np.bool_)):
+        raise InvalidRequestError(f"priority must be an int, got {priority!r}")
+    try:
+        return operator.index(priority)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidRequestError(f"priority must be an int, got {priority!r}") from None
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -80,30 +92,59 @@ class Admission(RunnerBase):
     share_prefills: bool = True
 
     def _admit(self) -> None:
-        deferred: list[_Seq] = []
-        while self._waiting and len(self._running) < self.max_running:
-            seq = self._waiting[0]
-            if self._running and not self._fits(seq):
-                break
-            tokens = seq.tokens
-            keep = 0 if seq.params.prompt_logprobs else len(tokens) - 1  # leave one to compute
-            match = self.cache.match_prefix(tokens, max_len=keep)
-            if keep and self._waits_for_a_prefill(seq, match.hit_len):
-                deferred.append(self._waiting.popleft())
+        """One scheduling round: the waiting requests in the queue's order (priority, then the
+        schedule policy), each admitted while it has room (`_make_room`); the first that has
+        none ends the round, so nothing behind it takes the room it waits for. A request that
+        shares a prefix with a running prefill waits for it (`_waits_for_a_prefill`), keeping
+        its place, and the round goes on."""
+        top = self._waiting.top_priority
+        if top is None or not self._may_admit(top):
+            return  # no round: nothing would be admitted, nothing need be matched
+        admitted: list[_Seq] = []
+        for seq in self._waiting.order():
+            match = self._waiting.match(seq)  # re-taken if an admission changed the tree
+            if match.query_len and self._waits_for_a_prefill(seq, match.hit_len):
                 self.stats.shared_prefill_waits += 1
                 continue
-            # cannot raise CapacityError for a replayed window: `_fits` (or, with nothing
-            # running, an all-evictable SWA pool) leaves room for a window and a chunk
-            seq.request = self.cache.admit(tokens, match)
-            seq.result.cached_tokens = max(seq.result.cached_tokens, match.hit_len)
-            if match.hit_len and self.stats.tail_skipped_tokens:  # the prefix may hold holes
-                seq.result.approximate = True
-            seq.admitted_at = self._clock
-            if seq.request.replay_allocation is not None:
-                seq.replay_at = seq.request.replay_allocation.starts[0]
-                self.stats.replayed_hits += 1
-            self._running.append(self._waiting.popleft())
-        self._waiting.extendleft(reversed(deferred))  # first in the queue, in their order
+            if not self._make_room(seq):
+                break
+            self._start(seq, self._waiting.match(seq))  # preemption may have changed the tree
+            admitted.append(seq)
+        self._waiting.end_round(admitted)
+
+    def _start(self, seq: _Seq, match: MatchResult) -> None:
+        """Admits ``seq`` on ``match``: off the queue, into the running set."""
+        # cannot raise CapacityError for a replayed window: `_fits` (or, with nothing
+        # running, an all-evictable SWA pool) leaves room for a window and a chunk
+        seq.request = self.cache.admit(seq.tokens, match)
+        seq.result.cached_tokens = max(seq.result.cached_tokens, match.hit_len)
+        if match.hit_len and self.stats.tail_skipped_tokens:  # the prefix may hold holes
+            seq.result.approximate = True
+        seq.admitted_at = self._clock
+        if seq.request.replay_allocation is not None:
+            seq.replay_at = seq.request.replay_allocation.starts[0]
+            self.stats.replayed_hits += 1
+        self._waiting.remove(seq)
+        self._running.append(seq)
+
+    def _may_admit(self, priority: int) -> bool:
+        """Whether a request of ``priority`` could get a running slot now (a free one, or a
+        lower-priority request's)."""
+        return len(self._running) < self.max_running or any(
+            s.priority < priority for s in self._running
+        )
+
+    def _make_room(self, seq: _Seq) -> bool:
+        """Whether ``seq`` can be admitted now: a free running slot and, unless nothing runs,
+        room for the whole request (`_fits`). Running requests of a lower priority are
+        preempted for it (the youngest of the lowest first); one of its own priority or higher
+        never is. False if it still lacks room."""
+        while len(self._running) >= self.max_running or (self._running and not self._fits(seq)):
+            victim = self._victim(below=seq.priority)
+            if victim is None:
+                return False
+            self._requeue(victim)
+        return True
 
     def _waits_for_a_prefill(self, seq: _Seq, hit_len: int) -> bool:
         """Whether a running request, still prefilling, has yet to compute at least a page and
@@ -130,10 +171,28 @@ class Admission(RunnerBase):
         return need <= full_room and window_pages + 1 <= swa_room
 
     def _preempt(self) -> bool:
-        """Requeues the most recently admitted running request; False if none can yield."""
-        if len(self._running) <= 1:
+        """Requeues a running request to free its pages (`_victim`); False if none can yield
+        (fewer than two run)."""
+        victim = self._victim()
+        if victim is None or len(self._running) <= 1:
             return False
-        victim = max(self._running, key=lambda s: s.admitted_at)
+        self._requeue(victim)
+        return True
+
+    def _victim(self, below: int | None = None) -> _Seq | None:
+        """The running request to preempt: of the lowest priority, the most recently admitted
+        (of one step's admissions, the last); with ``below``, only among those of a priority
+        lower than it. None if none is."""
+        ranked = [
+            (-s.priority, s.admitted_at, i, s)
+            for i, s in enumerate(self._running)
+            if below is None or s.priority < below
+        ]
+        return max(ranked, key=lambda r: r[:3])[3] if ranked else None
+
+    def _requeue(self, victim: _Seq) -> None:
+        """Preempts ``victim``: its cache request aborted (pages it published stay cached), its
+        prompt and output back in the queue at its rank."""
         self._running.remove(victim)
         assert victim.request is not None
         self.cache.abort(victim.request)
@@ -141,8 +200,7 @@ class Admission(RunnerBase):
         victim.replay_at = None
         victim.result.preemptions += 1
         self.stats.preemptions += 1
-        self._waiting.appendleft(victim)
-        return True
+        self._waiting.push(victim)
 
     def _extend(self, seqs: list[_Seq], chunks: list[list[int]], draft: bool = False):
         """``extend_batch`` (``extend_draft_batch`` for a ``draft``) that preempts other requests

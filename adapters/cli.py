@@ -105,6 +105,13 @@ def add_run_parser(sub) -> None:
         help="speculative decoding: the MTP layer drafts K tokens per step (greedy only)",
     )
     run.add_argument(
+        "--schedule",
+        choices=("lpm", "fcfs"),
+        default="lpm",
+        help="admission order of waiting prompts: lpm, the longest cached prefix first "
+        "(default), or fcfs, arrival order",
+    )
+    run.add_argument(
         "--arrival-steps",
         type=non_negative,
         default=2,

@@ -13,7 +13,7 @@ from shadowradix import InvalidRequestError
 
 from .formats import CacheFormat
 from .model_config import preset
-from .runner import GenerationResult, Runner
+from .runner import GenerationResult, Runner, SchedulePolicy
 from .sampling import SamplingParams
 from .tokenizer import ByteTokenizer
 
@@ -41,6 +41,7 @@ def build_runner(args: argparse.Namespace) -> Runner:
         memory_budget=_budget_bytes(args.memory_budget_gib),
         index_format=CacheFormat[args.index_format.upper()],
         swa_format=CacheFormat[args.swa_format.upper()],
+        schedule=SchedulePolicy(args.schedule),
     )
 
 

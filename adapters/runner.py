@@ -4,9 +4,11 @@ One step = at most one prefill forward (chunks of several requests, ``chunk_toke
 plus one decode forward (every request in its decode phase, one token each). The cache plans
 every slot; the runner only schedules, executes the plans on the pools and samples.
 
-Pool exhaustion never crashes a step: when an extend raises `CapacityError`, the most recently
-admitted running request is preempted (its cache request aborted, its tokens requeued at the
-front, recomputed later with whatever prefix is still cached) and the extend is retried.
+Pool exhaustion never crashes a step: when an extend raises `CapacityError`, a running request
+(the lowest priority, then the most recently admitted) is preempted (its cache request aborted,
+its tokens requeued at its rank, recomputed later with whatever prefix is still cached) and the
+extend is retried. Waiting requests are admitted by priority, then longest cached prefix first
+(or arrival order: ``schedule``).
 
 With ``CacheConfig(bounded_replay=True)`` a hit whose window was tombstoned is served by
 encoder-side replay (docs/replay.md): the window rebuild the core plans at admission runs
@@ -22,14 +24,13 @@ holds its public face: `submit`, `step`, `run`, `generate`, `take_finished`.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
 
 from shadowradix import CacheConfig, InvalidRequestError, ShadowRadixCache
 
-from .admission import UnsupportedRequestError
+from .admission import UnsupportedRequestError, check_priority
 from .decode import Decode
 from .device import check_pools_fit, resolve_device
 from .formats import CacheFormat
@@ -42,9 +43,16 @@ from .runner_stats import RunnerStats
 from .sampling import Sampler, SamplingParams
 from .sequence import GenerationResult, _Seq
 from .speculative import DraftSource, MTPDraft, SpeculativeDecoder
+from .waiting import SchedulePolicy, WaitingQueue
 from .weights import ModelWeights, init_weights
 
-__all__ = ["GenerationResult", "Runner", "RunnerStats", "UnsupportedRequestError"]
+__all__ = [
+    "GenerationResult",
+    "Runner",
+    "RunnerStats",
+    "SchedulePolicy",
+    "UnsupportedRequestError",
+]
 
 
 class Runner(Prefill, Decode):
@@ -88,6 +96,12 @@ class Runner(Prefill, Decode):
     budget. A request whose one-token step would not fit is refused at `submit`
     (`MemoryBudgetError`, nothing queued).
 
+    ``schedule``: the order waiting requests are admitted in, after their priority
+    (`submit`'s ``priority``: higher first): `SchedulePolicy.LPM` (default) the longest cached
+    prefix first, `SchedulePolicy.FCFS` arrival order (`waiting.WaitingQueue`). When memory
+    runs out the lowest-priority, most recently admitted request is preempted; a waiting
+    request preempts lower-priority running ones for room, never one of its priority or higher.
+
     ``index_format`` / ``swa_format``: the cache format of the C4 indexer keys / of the window
     KV (`formats.CacheFormat.FP8`: e4m3 with a power-of-two scale per row, about half the
     bytes; docs/formats.md)."""
@@ -109,6 +123,7 @@ class Runner(Prefill, Decode):
         memory_budget: int | None = None,
         index_format: CacheFormat = CacheFormat.BF16,
         swa_format: CacheFormat = CacheFormat.BF16,
+        schedule: SchedulePolicy = SchedulePolicy.LPM,
     ) -> None:
         self.device = resolve_device(device)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -179,7 +194,7 @@ class Runner(Prefill, Decode):
         )
         self.memory = prefill_budget(model, dtype, self.device, memory_budget)
         self._step_hidden: torch.Tensor | None = None
-        self._waiting: deque[_Seq] = deque()
+        self._waiting = WaitingQueue(self.cache, schedule)
         self._running: list[_Seq] = []
         self._next_id = 0
         self._unclaimed: list[GenerationResult] = []
@@ -188,18 +203,22 @@ class Runner(Prefill, Decode):
 
     # -- submission ------------------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
-        """Queues a request; returns its id. Raises `InvalidRequestError` (queueing nothing)
-        for an empty prompt, tokens outside the vocabulary, or a request longer than the full
-        pool can ever hold."""
+    def submit(
+        self, prompt: Sequence[int], params: SamplingParams | None = None, priority: int = 0
+    ) -> int:
+        """Queues a request; returns its id. ``priority``: higher is admitted first and
+        preempted last (default 0). Raises `InvalidRequestError` (queueing nothing) for an
+        empty prompt, tokens outside the vocabulary, a request longer than the full pool can
+        ever hold, or a priority that is not an int."""
         params = params or SamplingParams()
         tokens = self._validate(prompt, params)
+        priority = check_priority(priority)
         rid = self._next_id
         self._next_id += 1
-        seq = _Seq(GenerationResult(rid, tokens), params, Sampler(params))
+        seq = _Seq(GenerationResult(rid, tokens), params, Sampler(params), priority=priority)
         if params.prompt_logprobs:
             seq.result.prompt_logprobs = [None] * len(tokens)
-        self._waiting.append(seq)
+        self._waiting.push(seq)
         return rid
 
     @property
@@ -242,20 +261,27 @@ class Runner(Prefill, Decode):
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         on_step: Callable[[Runner, list[GenerationResult]], None] | None = None,
+        *,
+        priorities: Sequence[int] | None = None,
     ) -> list[GenerationResult]:
         """Runs every prompt to completion; results in prompt order. A prompt that fails
         validation gets ``finish_reason="error"`` and never disturbs the others. ``params``:
-        one for all, or one per prompt (`InvalidRequestError` if the counts differ). Requests
-        submitted earlier keep running; their results wait in `take_finished`."""
+        one for all, or one per prompt; ``priorities``: one per prompt (default 0 each; see
+        `submit`); `InvalidRequestError` if a count differs. Requests submitted earlier keep
+        running; their results wait in `take_finished`."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        priorities = [0] * len(prompts) if priorities is None else priorities
+        if not len(params) == len(priorities) == len(prompts):
+            raise InvalidRequestError(
+                f"{len(prompts)} prompts but {len(params)} SamplingParams and "
+                f"{len(priorities)} priorities"
+            )
         results: list[GenerationResult | None] = []
         ids: dict[int, int] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for i, (prompt, p, prio) in enumerate(zip(prompts, params, priorities)):
             try:
-                ids[self.submit(prompt, p)] = i
+                ids[self.submit(prompt, p, prio)] = i
                 results.append(None)
             except InvalidRequestError as exc:
                 bad = list(prompt) if isinstance(prompt, (list, tuple)) else []

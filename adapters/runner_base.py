@@ -4,7 +4,6 @@ Each role reads and updates them as the runner's own state; nothing here runs.""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -19,6 +18,7 @@ from .pools import KVPools
 from .runner_stats import RunnerStats
 from .sequence import GenerationResult, _Seq
 from .speculative import SpeculativeDecoder
+from .waiting import WaitingQueue
 from .weights import ModelWeights
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class RunnerBase:
     stats: RunnerStats
     #: every row's main hidden state of the last paged forward (MTP drafts only)
     _step_hidden: torch.Tensor | None
-    _waiting: deque[_Seq]
+    _waiting: WaitingQueue
     _running: list[_Seq]
     _next_id: int
     _unclaimed: list[GenerationResult]

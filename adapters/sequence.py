@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from shadowradix import MatchResult
 from shadowradix.request import Request
 
 from .sampling import Sampler, SamplingParams
@@ -38,13 +39,19 @@ class GenerationResult:
     prompt_logprobs: list[float | None] | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the runner's lists remove the record itself
 class _Seq:
     result: GenerationResult
     params: SamplingParams
     sampler: Sampler
     request: Request | None = None
+    #: higher is admitted first and preempted last (`Runner.submit`'s ``priority``)
+    priority: int = 0
     admitted_at: int = 0
+    #: while waiting: the kept prefix match (`WaitingQueue.match`), and how many requests of its
+    #: priority the longest-prefix-first order admitted while it was the queue's head
+    match: MatchResult | None = None
+    overtaken: int = 0
     #: next position of the admission's pending window rebuild (``None``: nothing to replay)
     replay_at: int | None = None
     #: (cache request, main hidden state at its last computed position): MTP drafts only
