@@ -9,6 +9,15 @@ lines count for coverage). Otherwise (a CUDA machine, or Triton already imported
 `run_check` runs every check of the test module in one child process with the interpreter on.
 Without Triton the checks are skipped (`NO_TRITON`).
 
+Speed: Triton's interpreter patches ``triton.language`` for the interpreter (``_patch_lang``:
+``inspect.getmembers`` over ``tl``, ``tl.tensor``, ``tl.math``, ...) at every launch and again
+at every call of a ``@triton.jit`` helper inside the kernel, each time with the same patches:
+about half the interpreted time of the top-k kernels. `fast_language_patches` (installed by
+`load_interpreted`) patches each language module once per launch (a helper's call patches
+only the modules its launch has not patched yet) and restores them all when the launch ends;
+the kernels run the same. ``SHADOWRADIX_INTERPRETER_REPATCH=1`` keeps Triton's own behaviour;
+a Triton whose interpreter lacks these internals keeps it too.
+
 A test module lists its checks (functions taking the interpreted modules) and runs each one
 through ``run_check(mods, check, checks, __file__)`` with ``mods = interpreted_modules(names)``
 from a module-scoped fixture.
@@ -62,6 +71,65 @@ def interpreting() -> Iterator[None]:
             os.environ["TRITON_INTERPRET"] = before
 
 
+class _NoPatches:
+    """What a launch's (or a helper's) ``_patch_lang`` returns under `fast_language_patches`:
+    the patches it made are restored when the launch ends."""
+
+    def restore(self) -> None:
+        pass
+
+
+def fast_language_patches() -> bool:
+    """Makes the interpreter patch each language module once per launch (see the module
+    docstring); whether it is on. Idempotent."""
+    if os.environ.get("SHADOWRADIX_INTERPRETER_REPATCH") == "1":
+        return False
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - a Triton without the interpreter module
+        return False
+    grid_cls = getattr(interpreter, "GridExecutor", None)
+    real_patch = getattr(interpreter, "_patch_lang", None)
+    lang = getattr(interpreter, "tl", None)
+    if grid_cls is None or real_patch is None or lang is None:  # pragma: no cover - other Triton
+        return False
+    if getattr(real_patch, "_shadowradix_once", False):
+        return True
+    real_call = grid_cls.__call__
+    active: dict = {"langs": None, "scopes": []}
+
+    def langs_of(fn: Callable) -> set[int]:  # as `_patch_lang` picks them
+        glob = getattr(fn, "__globals__", {})
+        return {id(v) for v in glob.values() if isinstance(v, types.ModuleType)
+                and v in (lang, lang.core)}  # fmt: skip
+
+    def patch_lang(fn: Callable):  # type: ignore[no-untyped-def]
+        langs = active["langs"]
+        if langs is None:  # outside a launch: as Triton does it
+            return real_patch(fn)
+        need = langs_of(fn)
+        if not need or not need <= langs:
+            active["scopes"].append(real_patch(fn))
+            langs |= need
+        return _NoPatches()
+
+    def grid_call(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if active["langs"] is not None:  # pragma: no cover - a launch within a launch
+            return real_call(self, *args, **kwargs)
+        active["langs"] = set()
+        try:
+            return real_call(self, *args, **kwargs)
+        finally:
+            scopes, active["scopes"], active["langs"] = active["scopes"], [], None
+            for scope in reversed(scopes):  # the helpers' patches first, the launch's last
+                scope.restore()
+
+    patch_lang._shadowradix_once = True  # type: ignore[attr-defined]
+    interpreter._patch_lang = patch_lang
+    grid_cls.__call__ = grid_call
+    return True
+
+
 def load_interpreted(names: tuple[str, ...]) -> tuple[types.ModuleType, ...]:
     """Private copies of ``adapters/kernels/<name>.py``, loaded with the interpreter on (Triton
     too, if it was not imported yet), named ``adapters.kernels._interpreted_<name>``. The kernel
@@ -75,6 +143,7 @@ def load_interpreted(names: tuple[str, ...]) -> tuple[types.ModuleType, ...]:
             import triton.experimental.gluon  # noqa: F401
         except ImportError:  # pragma: no cover - older Triton
             pass
+        fast_language_patches()
         loaded: dict[str, types.ModuleType] = {}
         saved: dict[str, types.ModuleType | None] = {}
         try:
