@@ -22,6 +22,7 @@ from shadowradix import CacheConfig
 from shadowradix.request import Request
 
 from . import kernels, ops
+from .buckets import context_bucket, power_bucket
 from .kernels import PoolRows
 from .model import LayerInput, compress_rows, forward
 from .pools import KVPools
@@ -311,27 +312,6 @@ def _with_late_mask(meta, pools: KVPools):
     return replace(meta, late_window_mask=meta.window_mask & valid[meta.window_slots])
 
 
-def _bucket(n: int, lo: int) -> int:
-    return max(lo, 1 << (max(n, 1) - 1).bit_length())
-
-
-#: Context buckets per octave above 1,024 tokens: a step's entry columns (and with them the
-#: indexer's, the top-k's and C128 attention's work, which follow the bucket, not the live
-#: lengths) exceed the longest request by at most 1/8 instead of up to 2x (a 1,048,640-token
-#: batch ran 2,097,152 columns' worth). Each bucket is one more captured graph.
-CONTEXT_BUCKET_STEPS = 8
-
-
-def context_bucket(n: int, lo: int, hi: int) -> int:
-    """The decode context a step of longest request ``n`` runs at: at least ``lo``, at most
-    ``hi``; a multiple ``m * 2**j`` (``m`` in ``[8, 16)``) of ``2**j >= 128`` (every ratio's
-    group size divides it) when that is finer than the power of two."""
-    fine = 1 << max((max(n, 1) - 1).bit_length() - CONTEXT_BUCKET_STEPS.bit_length(), 0)
-    if fine < 128:
-        return min(_bucket(n, lo), hi)
-    return min(max(lo, -(-n // fine) * fine), hi)
-
-
 class GraphDecoder:
     """Decode steps from raw batch state; on CUDA each (batch, context) bucket is captured once
     as a CUDA graph and replayed. On the CPU the same code runs eagerly (tested in CI)."""
@@ -365,7 +345,7 @@ class GraphDecoder:
         self.buffers.load(requests, tokens)
         longest = max(r.length for r in requests)
         context = context_bucket(longest, self.min_context_bucket, self.buffers.max_context)
-        batch = min(_bucket(len(requests), 1), self.buffers.max_batch)
+        batch = min(power_bucket(len(requests), 1), self.buffers.max_batch)
         if not self.use_graphs:
             return self._run(batch, context)[: len(requests)]
         return self._replay(batch, context)[: len(requests)]

@@ -34,14 +34,13 @@ from shadowradix import CacheConfig
 from shadowradix.request import Request
 
 from . import ops
+from .buckets import context_bucket, power_bucket
 from .graph_decode import (
     DecodeBuffers,
     GraphDecoder,
     GraphKeys,
-    _bucket,
     _page_lookup,
     _with_late_mask,
-    context_bucket,
 )
 from .kernels import PoolRows
 from .model import final_hidden, head_logits
@@ -290,7 +289,7 @@ class GraphVerifier(GraphDecoder):
         self.buffers.load_block(requests, chunks, prev_hidden)
         longest = max(r.length for r in requests)
         context = context_bucket(longest, self.min_context_bucket, self.buffers.max_context)
-        batch = min(_bucket(len(requests), 1), self.buffers.max_batch)
+        batch = min(power_bucket(len(requests), 1), self.buffers.max_batch)
         if not self.use_graphs:
             packed = self._run(batch, context)
         else:  # pragma: no cover - needs a GPU

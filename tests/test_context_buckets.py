@@ -1,4 +1,4 @@
-"""Decode context buckets (`graph_decode.context_bucket`): a step's entry columns follow its
+"""Decode context buckets (`buckets.context_bucket`): a step's entry columns follow its
 bucket, so the bucket must cover the longest request, stay within 1/8 of it above 1,024 tokens,
 keep every compression ratio's group whole, and the graph decoder must equal the reference at
 a bucket that is no power of two."""
@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from small_models import CFG
 
-from adapters.graph_decode import CONTEXT_BUCKET_STEPS, context_bucket
+from adapters.buckets import CONTEXT_BUCKET_STEPS, context_bucket
 from adapters.reference import reference_generate
 from adapters.runner import Runner
 from adapters.sampling import SamplingParams
