@@ -13,6 +13,9 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+# "thorough" also runs the interpreted kernel checks' variants (`interpreted.thorough`: e.g.
+# the top-k sort stage behind every algorithm and case): `pytest --hypothesis-profile=thorough
+# tests/test_kernels.py`, or SHADOWRADIX_THOROUGH=1 under any profile.
 settings.register_profile(
     "thorough",
     max_examples=int(os.environ.get("SHADOWRADIX_THOROUGH_EXAMPLES", "4500")),

@@ -213,6 +213,21 @@ def _needs_interpreter(name: str) -> bool:
     return bool(kernel_imports(name))
 
 
+def thorough() -> bool:
+    """Whether the checks run their variants too (a case that only repeats a path or an edge
+    case already checked, e.g. the ``sorted=True`` stage behind every algorithm, which does not
+    depend on it): the Hypothesis ``thorough`` profile (``--hypothesis-profile=thorough``, or
+    ``HYPOTHESIS_PROFILE=thorough``) or ``SHADOWRADIX_THOROUGH=1`` (the child process of a CUDA
+    machine gets it from its parent)."""
+    from hypothesis import settings
+
+    if os.environ.get("SHADOWRADIX_THOROUGH") == "1":
+        return True
+    name = getattr(settings, "get_current_profile_name", None)
+    current = name() if name is not None else getattr(settings, "_current_profile", None)
+    return current == "thorough"
+
+
 def interpreted_modules(names: tuple[str, ...]) -> tuple[types.ModuleType, ...] | None:
     """The interpreted modules, or None: the checks then run in a child process. Skips the
     test without Triton."""
@@ -249,6 +264,8 @@ def _child_results(  # pragma: no cover - exercised on CUDA machines only
     path: str, names: tuple[str, ...], checks: tuple[str, ...]
 ) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    if thorough():
+        env["SHADOWRADIX_THOROUGH"] = "1"
     code = _CHILD.format(
         root=str(ROOT), tests=str(ROOT / "tests"), path=path, names=list(names), checks=list(checks)
     )

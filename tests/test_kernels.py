@@ -22,7 +22,7 @@ import sys
 
 import pytest
 import torch
-from interpreted import interpreted_modules, run_check
+from interpreted import interpreted_modules, run_check, thorough
 
 import adapters.kernels as kernels
 from adapters.kernels import reference as ref
@@ -402,29 +402,42 @@ def _index_order(values, indices, counts):
     return values, indices, counts
 
 
-def _same_topk(topk_mod, x, k, lengths=None, algorithms=("histogram", "bound"), **knobs):
-    """Both algorithms equal the reference: the same set (any deterministic order), and with
-    ``sorted=True`` the same order."""
+def _same_topk(topk_mod, x, k, lengths=None, algorithms=("histogram", "bound"), sort=(), **knobs):
+    """Every algorithm equals the reference: the same set (any deterministic order); those in
+    ``sort`` also with ``sorted=True``, in the same order. The sort stage (`topk_sort`) does not
+    depend on the algorithm: each check sorts behind the algorithms its case needs, the
+    thorough run behind every one (`interpreted.thorough`). Returns each algorithm's unsorted
+    output."""
+    sort = algorithms if thorough() else sort
+    out = {}
     for algorithm in algorithms:
-        for sort in (False, True):
-            got = topk_mod.lightning_topk(x, k, lengths, sorted=sort, algorithm=algorithm, **knobs)
-            want = ref.topk_reference(x, k, lengths, sorted=sort)
-            for a, b, what in zip(got if sort else _index_order(*got), want, "vic"):
+        for srt in (False, True) if algorithm in sort else (False,):
+            got = topk_mod.lightning_topk(x, k, lengths, sorted=srt, algorithm=algorithm, **knobs)
+            want = ref.topk_reference(x, k, lengths, sorted=srt)
+            for a, b, what in zip(got if srt else _index_order(*got), want, "vic"):
                 assert a.dtype == b.dtype and torch.equal(a, b), (
-                    what, algorithm, x.shape, k, knobs, sort,
+                    what, algorithm, x.shape, k, knobs, srt,
                 )  # fmt: skip
-    return got
+            if not srt:
+                out[algorithm] = got
+    return out
+
+
+def _same_again(topk_mod, x, k, first, **knobs):
+    """The same call once more gives the same output, order included (deterministic)."""
+    for algorithm, want in first.items():
+        got = topk_mod.lightning_topk(x, k, algorithm=algorithm, **knobs)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), algorithm
 
 
 def check_topk_random(_comp, topk_mod):
     g = torch.Generator().manual_seed(20)
     x = torch.randn(3, 3000, generator=g)
-    _same_topk(topk_mod, x, 64, block=256)  # 3 CTAs per row (CPU: 8 CTAs in all)
-    for algorithm in ("histogram", "bound"):  # the unsorted order is deterministic
-        first = topk_mod.lightning_topk(x, 64, block=256, algorithm=algorithm)
-        again = topk_mod.lightning_topk(x, 64, block=256, algorithm=algorithm)
-        assert all(torch.equal(a, b) for a, b in zip(first, again))
-    _same_topk(topk_mod, x[:1], 100, block=128, ctas=7)  # 7 CTAs, ragged last span
+    # 6 CTAs per row (CPU: 12 CTAs in all), two blocks each, the last CTA's span ragged; the
+    # sorted output of both algorithms
+    first = _same_topk(topk_mod, x[:2, :1400], 64, block=128, sort=("histogram", "bound"))
+    _same_again(topk_mod, x[:2, :1400], 64, first, block=128)  # the unsorted order is fixed
+    _same_topk(topk_mod, x[:1, :1700], 100, block=128, ctas=7)  # 7 CTAs, ragged last span
     # bound: columns of 1 entry (the entries themselves), of 128; column loads of 128 entries
     for knobs in (dict(chunk=1), dict(chunk=128), dict(chunk=8, tile=128)):
         got = topk_mod.lightning_topk(x[:1, :1000], 64, algorithm="bound", block=128, **knobs)
@@ -439,14 +452,15 @@ def check_topk_random(_comp, topk_mod):
         raise AssertionError(f"expected ValueError for {bad}")
     assert topk_mod.topk_trace(2, "cpu").shape == (3, 2, topk_mod._MAX_CTAS, 8)
     # "auto": the histogram algorithm below AUTO_BOUND_ROWS rows, the bound one from there
-    rows = torch.randn(topk_mod.AUTO_BOUND_ROWS, 600, generator=g)
+    rows = torch.randn(topk_mod.AUTO_BOUND_ROWS, 256, generator=g)
     _same_topk(topk_mod, rows, 40, algorithms=("auto",), block=128)
-    _same_topk(topk_mod, x[:, :1000].double() * 1e30, 50, block=512, num_warps=2)  # fp64 in
-    xs = x[:, ::2]  # strided rows
+    _same_topk(topk_mod, x[:2, :1000].double() * 1e30, 50, block=512, num_warps=2)  # fp64 in
+    xs = x[:1, ::2]  # strided rows
     _same_topk(topk_mod, xs, 33, block=256)
     # a reused workspace is left zeroed by the kernels
     ws = topk_mod.topk_workspace(4, "cpu")
-    for rows, k in ((x, 64), (torch.randint(0, 3, (4, 900), generator=g).float(), 300)):
+    ints = torch.randint(0, 3, (4, 900), generator=g).float()
+    for rows, k in ((x[:, :1000], 64), (ints, 300)):
         _same_topk(
             topk_mod, rows, k, torch.tensor([900, 5, 0, 700])[: len(rows)], block=128, workspace=ws
         )
@@ -461,16 +475,19 @@ def check_topk_random(_comp, topk_mod):
 
 def check_topk_ties(_comp, topk_mod):
     g = torch.Generator().manual_seed(21)
-    x = torch.randint(0, 3, (4, 2000), generator=g).float()
+    x = torch.randint(0, 3, (4, 1000), generator=g).float()  # 4 CTAs per row, 2 blocks each
     x[1] = 7.0  # all equal: the k lowest indices
     x[2, ::2] = -0.0  # -0.0 ties +0.0
     x[2, 1::2] = 0.0
-    x[3, 900:] = float("-inf")  # -inf padding, selected last and by index
-    _same_topk(topk_mod, x, 120, block=256)
-    _same_topk(topk_mod, x, 120, block=256, hist_mask=False)  # older-Triton histogram path
-    y = torch.full((2, 600), float("-inf"))
+    x[3, 450:] = float("-inf")  # -inf padding, selected last and by index
+    # sorted: ties by index (the histogram algorithm's output is not in index order)
+    _same_topk(topk_mod, x, 120, block=128, sort=("histogram",))
+    # the older-Triton histogram path (`_histogram` without a mask; the bound algorithm's in
+    # check_topk_lengths and check_topk_tail)
+    _same_topk(topk_mod, x, 120, algorithms=("histogram",), block=128, hist_mask=False)
+    y = torch.full((2, 300), float("-inf"))
     y[0, 5] = 1.0
-    _same_topk(topk_mod, y, 64, block=128)
+    _same_topk(topk_mod, y, 64, block=128, sort=("bound",))
     # the k-th value straddles CTAs: ties across CTA boundaries, taken lowest index first
     z = torch.zeros(1, 1024)
     z[0, ::5] = 1.0
@@ -479,17 +496,18 @@ def check_topk_ties(_comp, topk_mod):
 
 def check_topk_lengths(_comp, topk_mod):
     g = torch.Generator().manual_seed(22)
-    x = torch.randn(5, 1500, generator=g)
-    x[4] = torch.randint(0, 2, (1500,), generator=g).float()
-    lengths = torch.tensor([1500, 40, 0, 2000, 700])  # fewer than k, none, past N, ties
-    _same_topk(topk_mod, x, 64, lengths, block=256)
-    _same_topk(topk_mod, x, 64, lengths.int(), block=256, hist_mask=False)
+    x = torch.randn(5, 1000, generator=g)
+    x[4] = torch.randint(0, 2, (1000,), generator=g).float()
+    lengths = torch.tensor([1000, 40, 0, 2000, 700])  # fewer than k, none, past N, ties
+    # sorted: the padding after short and empty rows
+    _same_topk(topk_mod, x, 64, lengths, block=128, sort=("bound",))
+    _same_topk(topk_mod, x, 64, lengths.int(), block=128, hist_mask=False)
     _same_topk(topk_mod, x[:2, :50], 100)  # k > N: every row takes all
     # int64 lengths past 2**31 clamp to the row (they must not wrap to a small length)
-    _same_topk(topk_mod, x[:2], 64, torch.tensor([2**32 + 3, 2**40]), block=256)
+    _same_topk(topk_mod, x[:2, :600], 64, torch.tensor([2**32 + 3, 2**40]), block=256)
     # bound: 32 columns < k (no bound: every entry a candidate) beside short and empty rows
     _same_topk(
-        topk_mod, x[:3, :1000], 64, torch.tensor([1000, 40, 0]), algorithms=("bound",),
+        topk_mod, x[:3], 64, torch.tensor([1000, 40, 0]), algorithms=("bound",),
         block=128, chunk=64,
     )  # fmt: skip
     v, i, c = topk_mod.lightning_topk(x[:0], 8)
@@ -505,7 +523,8 @@ def check_topk_lengths(_comp, topk_mod):
 def check_topk_tail(_comp, topk_mod):
     """The last CTA's finish on long candidate lists (more than one 1024-chunk): a dense 16-bit
     bin refined over several chunks, threshold ties with larger entries far behind them, every
-    selected entry in the last CTA's range; and a reused workspace left zeroed throughout."""
+    selected entry in the last CTA's range; and a reused workspace left zeroed throughout.
+    (The sort stage behind it: check_topk_random and the others.)"""
     g = torch.Generator().manual_seed(23)
     n = 1400
     dense = 1.0 + torch.rand(1, n, generator=g) * 2**-8  # one 16-bit bin, distinct keys
@@ -513,8 +532,9 @@ def check_topk_tail(_comp, topk_mod):
     ties[0, -40:] = 7.0  # T = 5.0: its lowest-index ties, then the 7.0s at the end
     ascending = torch.arange(n, dtype=torch.float32)[None]
     ws = topk_mod.topk_workspace(1, "cpu")
+    first = {}
     for x, k in ((dense, 100), (ties, 300), (ascending, 200)):
-        _same_topk(topk_mod, x, k, block=256, workspace=ws)
+        first[k] = _same_topk(topk_mod, x, k, block=256, workspace=ws)
         assert not ws.any()
     # a threshold bin of 33..128 entries (the larger pairwise tile): 100 keys in one 16-bit bin
     mid = torch.randn(1, n, generator=g)
@@ -537,12 +557,9 @@ def check_topk_tail(_comp, topk_mod):
     _same_topk(topk_mod, two, 400, algorithms=("histogram",), block=128, workspace=ws)
     # an all-equal bin taken by index over more than one tail chunk (want > 2048)
     _same_topk(topk_mod, torch.full((1, 2200), 0.5), 2100, block=256, workspace=ws)
-    # the same call twice on one workspace: the same output, the workspace zeroed each time
-    for algorithm in ("histogram", "bound"):
-        a = topk_mod.lightning_topk(ties, 300, block=256, workspace=ws, algorithm=algorithm)
-        assert not ws.any()
-        b = topk_mod.lightning_topk(ties, 300, block=256, workspace=ws, algorithm=algorithm)
-        assert all(torch.equal(u, v) for u, v in zip(a, b)) and not ws.any()
+    # the same call again on one workspace: the same output, the workspace zeroed each time
+    _same_again(topk_mod, ties, 300, first[300], block=256, workspace=ws)
+    assert not ws.any()
 
 
 def check_topk_failed_launch(_comp, topk_mod):
@@ -651,7 +668,10 @@ def check_topk_plans(_comp, topk_mod):
     again = topk_mod.lightning_topk(y.clone(), 16, block=128)
     assert all(torch.equal(a, b) for a, b in zip(first, again)) and len(plans) == 1
     # rows 4 bytes off 16-byte alignment, with lengths, unsorted and sorted: a plan each
-    _same_topk(topk_mod, x[:, 1:], 16, torch.tensor([700, 9]), algorithms=("histogram",), block=128)
+    _same_topk(
+        topk_mod, x[:, 1:], 16, torch.tensor([700, 9]), algorithms=("histogram",),
+        sort=("histogram",), block=128,
+    )  # fmt: skip
     assert len(plans) == 3
     launch.CACHE_LAUNCHES = False
     try:
