@@ -134,7 +134,7 @@ def _prompts(args) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 done, 1 some prompt refused, 2 bad arguments or a one-line error (no
+    """Exit status: 0 done, 1 some prompt refused or failed, 2 bad arguments or a one-line error (no
     traceback), 130 interrupted (Ctrl-C)."""
     parser = OneLineParser(prog="shadowradix", description="ShadowRadix KV-cache manager")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")

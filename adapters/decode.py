@@ -11,7 +11,7 @@ import torch
 from .admission import Admission
 from .emission import Emission
 from .forward import Forward
-from .sequence import GenerationResult, _Seq
+from .sequence import FailureStage, GenerationResult, _Seq
 
 
 class Decode(Admission, Forward, Emission):
@@ -24,6 +24,11 @@ class Decode(Admission, Forward, Emission):
             seqs = self._fit_decode_batch(seqs)
         if not seqs:
             return []
+        with self._isolated(seqs, FailureStage.DECODE):  # a raise fails these requests only
+            return self._run_decode(seqs)
+        return []
+
+    def _run_decode(self, seqs: list[_Seq]) -> list[GenerationResult]:
         if self.spec is not None:
             return self.spec.decode(self, seqs)
         chunks = [[s.result.output[-1]] for s in seqs]

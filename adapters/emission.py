@@ -1,13 +1,23 @@
-"""Result emission, a role of `Runner`: sampling a batch of logits rows, appending each token
-and finishing the requests that reach their stop token or ``max_new_tokens``."""
+"""Result emission, a role of `Runner`: sampling a batch of logits rows, appending each token,
+finishing the requests that reach their stop token or ``max_new_tokens``, and finishing with an
+error the requests of a forward that raised (failure isolation)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from .runner_base import RunnerBase
 from .sampling import sample_batch
-from .sequence import GenerationResult, _Seq
+from .sequence import FailureStage, GenerationResult, RequestFailure, _Seq
+from .speculative import DraftError
+
+#: raised through `Emission._isolated` unchanged: an internal invariant broken (the cache's
+#: `InvariantError` too), and a draft source that broke its contract (the caller's bug, found
+#: before the cache is touched: it would fail every step)
+_PROPAGATED = (AssertionError, DraftError)
 
 
 class Emission(RunnerBase):
@@ -37,3 +47,43 @@ class Emission(RunnerBase):
         self._running.remove(seq)
         self.stats.approximate_results += res.approximate
         return [res]
+
+    @contextmanager
+    def _isolated(self, seqs: list[_Seq], stage: FailureStage) -> Iterator[None]:
+        """Runs a step's forward over ``seqs`` (extend, forward, emission) so that an exception
+        raised inside fails only them: each of ``seqs`` still running is finished with
+        ``finish_reason="error"`` and its `RequestFailure`, its cache request aborted (what it
+        had published stays cached; what this forward allocated is freed), and the exception
+        is not raised further. Results the block had already finished, and the failed ones, are
+        kept for `step` to return (`_take_salvaged`); requests it preempted stay queued.
+
+        `_PROPAGATED` errors and anything that is not an `Exception` (Ctrl-C) are raised
+        unchanged."""
+        try:
+            yield
+        except _PROPAGATED:
+            raise
+        except Exception as exc:
+            failure = RequestFailure(stage, exc)
+            for seq in seqs:
+                if seq.request is not None:
+                    self._fail(seq, failure)
+                elif seq.result.finish_reason is not None:  # finished before the raise
+                    self._salvaged.append(seq.result)
+
+    def _fail(self, seq: _Seq, failure: RequestFailure) -> None:
+        """Finishes the running ``seq`` with ``failure``."""
+        assert seq.request is not None
+        self.cache.abort(seq.request)
+        seq.request = None
+        seq.replay_at = None
+        self._running.remove(seq)
+        res = seq.result
+        res.finish_reason, res.failure, res.error = "error", failure, failure.message
+        self.stats.failed_requests += 1
+        self._salvaged.append(res)
+
+    def _take_salvaged(self) -> list[GenerationResult]:
+        """Results that isolated failures finished (or kept) since the last call."""
+        out, self._salvaged = self._salvaged, []
+        return out

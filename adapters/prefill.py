@@ -11,7 +11,7 @@ from .emission import Emission
 from .forward import Forward
 from .memory_plan import visible_entries
 from .replay import replay_step
-from .sequence import GenerationResult, _Seq
+from .sequence import FailureStage, GenerationResult, _Seq
 
 
 class Prefill(Admission, Forward, Emission):
@@ -38,16 +38,30 @@ class Prefill(Admission, Forward, Emission):
         if not parts:
             return 0
         chunks = [s.token_slice(lo, hi) for s, (_, lo, hi) in zip(seqs, parts)]
-        plans = [self.cache.read_plan(s.req) for s in seqs]  # window [replay_start, prefix_len)
-        self._forward(seqs, chunks, replay_step(parts), [], plans)
-        for seq, (alloc, _, hi) in zip(seqs, parts):
-            seq.replay_at = hi if hi < alloc.ends[0] else None
-        replayed = self.chunk_tokens - budget
+        with self._isolated(seqs, FailureStage.PREFILL):
+            plans = [self.cache.read_plan(s.req) for s in seqs]  # window [replay_start, prefix)
+            self._forward(seqs, chunks, replay_step(parts), [], plans)
+            for seq, (alloc, _, hi) in zip(seqs, parts):
+                seq.replay_at = hi if hi < alloc.ends[0] else None
+        replayed = self.chunk_tokens - budget  # of the step's budget, even if the forward failed
         self.stats.replayed_tokens += replayed
         return replayed
 
     def _prefill(self) -> list[GenerationResult]:
-        budget, seqs, chunks = self.chunk_tokens - self._replay(), [], []
+        """One prefill forward over the chunks that fit this step (after pending replays);
+        returns the requests it finished. A forward that raises fails its requests only
+        (`Emission._isolated`)."""
+        seqs, chunks = self._prefill_chunks(self.chunk_tokens - self._replay())
+        if not seqs:
+            return []
+        with self._isolated(seqs, FailureStage.PREFILL):
+            return self._run_prefill(seqs, chunks)
+        return []
+
+    def _prefill_chunks(self, budget: int) -> tuple[list[_Seq], list[list[int]]]:
+        """The prefilling requests of this step and their chunks, within ``budget`` tokens, the
+        memory budget and the HiSparse buffer."""
+        seqs, chunks = [], []
         pages_left, entries = self._device_pages, 0
         for seq in self._running:
             if seq.decoding or seq.replay_at is not None or budget == 0:
@@ -62,8 +76,9 @@ class Prefill(Admission, Forward, Emission):
             pages_left -= self._working_set(seq, len(chunk)) if self.offload else 0
             seqs.append(seq)
             chunks.append(chunk)
-        if not seqs:
-            return []
+        return seqs, chunks
+
+    def _run_prefill(self, seqs: list[_Seq], chunks: list[list[int]]) -> list[GenerationResult]:
         seqs, chunks, alloc = self._extend(seqs, chunks)
         if alloc is None:
             return []

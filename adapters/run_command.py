@@ -87,15 +87,28 @@ def run_command(args: argparse.Namespace, texts: list[str]) -> int:
         results += done
     bars.finish()
     wall = time.perf_counter() - start
-    if not args.quiet:
-        for res in sorted(results, key=lambda r: ids[r.request_id]):
+    failed = _report(results, ids, tok, args.quiet)
+    print(summary(runner, results, wall))
+    return 1 if refused or failed else 0
+
+
+def _report(
+    results: list[GenerationResult], ids: dict[int, int], tok: ByteTokenizer, quiet: bool
+) -> int:
+    """Prints each completion (unless ``quiet``) in prompt order, and one line on stderr per
+    request that failed; returns how many failed."""
+    failed = 0
+    for res in sorted(results, key=lambda r: ids[r.request_id]):
+        if res.finish_reason == "error":
+            print(f"[{ids[res.request_id]}] error: {res.error}", file=sys.stderr)
+            failed += 1
+        elif not quiet:
             flag = ", approximate" if res.approximate else ""
             print(
                 f"[{ids[res.request_id]}] {res.finish_reason:>6} "
                 f"(hit {res.cached_tokens} tok{flag}): {tok.decode(res.output)!r}"
             )
-    print(summary(runner, results, wall))
-    return 1 if refused else 0
+    return failed
 
 
 class _Progress:
@@ -125,6 +138,7 @@ class _Progress:
         tqdm.write(message, file=sys.stderr)
 
     def refuse(self, prompt_len: int, output_len: int) -> None:
+        """A prompt that will never run: its tokens leave the total."""
         self.prompt -= prompt_len
         self.output -= output_len
         self.bar.total = self.prompt + self.output

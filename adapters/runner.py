@@ -8,7 +8,8 @@ Pool exhaustion never crashes a step: when an extend raises `CapacityError`, a r
 (the lowest priority, then the most recently admitted) is preempted (its cache request aborted,
 its tokens requeued at its rank, recomputed later with whatever prefix is still cached) and the
 extend is retried. Waiting requests are admitted by priority, then longest cached prefix first
-(or arrival order: ``schedule``).
+(or arrival order: ``schedule``). A forward that raises finishes its own requests with an error
+result; the others go on.
 
 With ``CacheConfig(bounded_replay=True)`` a hit whose window was tombstoned is served by
 encoder-side replay (docs/replay.md): the window rebuild the core plans at admission runs
@@ -41,13 +42,15 @@ from .pools import KVPools, pool_bytes
 from .prefill import Prefill
 from .runner_stats import RunnerStats
 from .sampling import Sampler, SamplingParams
-from .sequence import GenerationResult, _Seq
+from .sequence import FailureStage, GenerationResult, RequestFailure, _Seq
 from .speculative import DraftSource, MTPDraft, SpeculativeDecoder
 from .waiting import SchedulePolicy, WaitingQueue
 from .weights import ModelWeights, init_weights
 
 __all__ = [
+    "FailureStage",
     "GenerationResult",
+    "RequestFailure",
     "Runner",
     "RunnerStats",
     "SchedulePolicy",
@@ -101,6 +104,10 @@ class Runner(Prefill, Decode):
     prefix first, `SchedulePolicy.FCFS` arrival order (`waiting.WaitingQueue`). When memory
     runs out the lowest-priority, most recently admitted request is preempted; a waiting
     request preempts lower-priority running ones for room, never one of its priority or higher.
+
+    A forward that raises fails only its own requests: they finish with
+    ``finish_reason="error"`` and a `RequestFailure` (the exception, typed), their cache state
+    released, and `step` / `run` / `generate` return as usual (`Emission._isolated`).
 
     ``index_format`` / ``swa_format``: the cache format of the C4 indexer keys / of the window
     KV (`formats.CacheFormat.FP8`: e4m3 with a power-of-two scale per row, about half the
@@ -198,6 +205,7 @@ class Runner(Prefill, Decode):
         self._running: list[_Seq] = []
         self._next_id = 0
         self._unclaimed: list[GenerationResult] = []
+        self._salvaged: list[GenerationResult] = []
         self._clock = 0
         self.on_logits: Callable[[list[GenerationResult], torch.Tensor], None] | None = None
 
@@ -234,18 +242,21 @@ class Runner(Prefill, Decode):
     # -- the step --------------------------------------------------------------------------
 
     def step(self) -> list[GenerationResult]:
-        """Admits, runs one prefill forward and one decode forward; returns finished results."""
+        """Admits, runs one prefill forward and one decode forward; returns finished results,
+        those a failed forward finished with ``finish_reason="error"`` included (a forward
+        that raises fails its own requests only: nothing is raised here for it)."""
         self._clock += 1
         self.stats.steps += 1
         self._admit()
         done = self._prefill()
         done += self._decode()
-        return done
+        return done + self._take_salvaged()
 
     def run(
         self, on_step: Callable[[Runner, list[GenerationResult]], None] | None = None
     ) -> list[GenerationResult]:
-        """Steps until every submitted request finished; results in completion order."""
+        """Steps until every submitted request finished; results in completion order. Requests
+        whose forward raised are among them, with ``finish_reason="error"``."""
         finished = self.take_finished()
         while self.num_pending:
             done = self.step()
@@ -265,10 +276,11 @@ class Runner(Prefill, Decode):
         priorities: Sequence[int] | None = None,
     ) -> list[GenerationResult]:
         """Runs every prompt to completion; results in prompt order. A prompt that fails
-        validation gets ``finish_reason="error"`` and never disturbs the others. ``params``:
-        one for all, or one per prompt; ``priorities``: one per prompt (default 0 each; see
-        `submit`); `InvalidRequestError` if a count differs. Requests submitted earlier keep
-        running; their results wait in `take_finished`."""
+        validation, or whose forward raises, gets ``finish_reason="error"`` (with its
+        ``failure``) and never disturbs the others. ``params``: one for all, or one per prompt;
+        ``priorities``: one per prompt (default 0 each; see `submit`); `InvalidRequestError`
+        if a count differs. Requests submitted earlier keep running; their results wait in
+        `take_finished`."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         priorities = [0] * len(prompts) if priorities is None else priorities
@@ -285,7 +297,12 @@ class Runner(Prefill, Decode):
                 results.append(None)
             except InvalidRequestError as exc:
                 bad = list(prompt) if isinstance(prompt, (list, tuple)) else []
-                results.append(GenerationResult(-1, bad, finish_reason="error", error=str(exc)))
+                failure = RequestFailure(FailureStage.SUBMIT, exc)
+                results.append(
+                    GenerationResult(
+                        -1, bad, finish_reason="error", error=str(exc), failure=failure
+                    )
+                )
         waiting = set(ids)
         while waiting:
             done = self.step()

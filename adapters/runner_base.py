@@ -53,6 +53,8 @@ class RunnerBase:
     _running: list[_Seq]
     _next_id: int
     _unclaimed: list[GenerationResult]
+    #: results finished by an isolated failure, returned by the step they happened in
+    _salvaged: list[GenerationResult]
     #: steps taken (admission order, the HiSparse decode rotation)
     _clock: int
     on_logits: Callable[[list[GenerationResult], torch.Tensor], None] | None

@@ -26,3 +26,5 @@ class RunnerStats:
     approximate_results: int = 0
     #: admissions deferred a step because a running prefill was computing their prefix
     shared_prefill_waits: int = 0
+    #: requests finished with an error because a forward over them raised
+    failed_requests: int = 0

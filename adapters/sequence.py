@@ -5,6 +5,7 @@ request). Shared by the runner's roles and by speculative decoding; imports neit
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 import torch
@@ -15,9 +16,39 @@ from shadowradix.request import Request
 from .sampling import Sampler, SamplingParams
 
 
+class FailureStage(Enum):
+    """Where a request failed."""
+
+    #: refused by `Runner.submit`'s checks (`generate` turns the refusal into a result)
+    SUBMIT = "submit"
+    #: a prefill forward (or a bounded-replay window rebuild) raised
+    PREFILL = "prefill"
+    #: a decode or speculative verify step raised
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why a request finished with ``finish_reason="error"``: the stage and the exception raised
+    there, unchanged, so a caller can tell its kind (``isinstance(f.exception, CapacityError)``,
+    ``torch.OutOfMemoryError``, `InvalidRequestError`, ...)."""
+
+    stage: FailureStage
+    exception: Exception
+
+    @property
+    def message(self) -> str:
+        """One line: the stage, the exception's type and its first line."""
+        head = f"{self.stage.value} failed: {type(self.exception).__name__}"
+        lines = str(self.exception).splitlines()
+        return f"{head}: {lines[0]}" if lines else head
+
+
 @dataclass
 class GenerationResult:
-    """One request's outcome. ``finish_reason``: ``"length"``, ``"stop"`` or ``"error"``.
+    """One request's outcome. ``finish_reason``: ``"length"``, ``"stop"`` or ``"error"``; an
+    error carries ``failure`` (its typed record) and ``error`` (its message); ``output`` then
+    keeps the tokens emitted before it failed.
 
     ``approximate``: the request's output may differ from an exact run, because tail-only
     prefill skipped some of its prompt tokens past the last KV-source layer, or it reused a
@@ -37,6 +68,7 @@ class GenerationResult:
     #: a tail-only prefill (this request's, or a reused prefix that may hold its holes)
     approximate: bool = False
     prompt_logprobs: list[float | None] | None = None
+    failure: RequestFailure | None = None
 
 
 @dataclass(eq=False)  # compared by identity: the runner's lists remove the record itself
