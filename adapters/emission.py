@@ -34,6 +34,7 @@ class Emission(RunnerBase):
     def _emit(self, seq: _Seq, token: int) -> list[GenerationResult]:
         res = seq.result
         res.output.append(token)
+        self.stats.generated_tokens += 1
         res.approximate |= seq.req.approximate
         if seq.params.stop_token is not None and token == seq.params.stop_token:
             res.finish_reason = "stop"

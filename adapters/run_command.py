@@ -83,7 +83,9 @@ def run_command(args: argparse.Namespace, texts: list[str]) -> int:
             pending = pending[len(batch) :]
         done = runner.step()
         step += 1
-        bars.update(runner.stats.prefill_tokens, runner.stats.decode_tokens)
+        bars.update(runner.stats.prefill_tokens, runner.stats.generated_tokens)
+        for res in done:
+            bars.finished(res, args.max_new_tokens)
         results += done
     bars.finish()
     wall = time.perf_counter() - start
@@ -121,8 +123,8 @@ class _Progress:
                         unit_scale=True, disable=quiet, file=sys.stderr)  # fmt: skip
 
     def update(self, prefilled: int, decoded: int) -> None:
-        """The runner's running totals: tokens prefilled and decoded so far (reused prompt
-        tokens never count, so the bar's prompt share is what may be computed)."""
+        """The runner's running totals: prompt tokens computed and output tokens generated so
+        far (reused prompt tokens never count: `finished` takes them off the total)."""
         gain = max(0, min(prefilled, self.prompt) - self.prefilled)
         self.prefilled += gain
         step = max(0, min(decoded, self.output) - self.decoded)
@@ -143,6 +145,14 @@ class _Progress:
         self.output -= output_len
         self.bar.total = self.prompt + self.output
         self.bar.refresh()
+
+    def finished(self, result: GenerationResult, max_new_tokens: int) -> None:
+        """A request that finished: its reused prompt tokens and the output tokens it will
+        never generate (an early EOS, an error) leave the total, so the bar reaches 100 % when
+        the last request ends."""
+        self.prompt -= min(result.cached_tokens, self.prompt - self.prefilled)
+        self.output -= min(max_new_tokens - len(result.output), self.output - self.decoded)
+        self.bar.total = self.prompt + self.output
 
     def finish(self) -> None:
         """Closes the bar at 100 %: prompt tokens reused and outputs that stopped early (EOS)

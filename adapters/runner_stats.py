@@ -12,8 +12,11 @@ class RunnerStats:
     the last KV-source layer, ``tail_skipped_tokens`` of them in all."""
 
     steps: int = 0
+    #: prompt tokens computed, tokens decode forwards computed, output tokens generated (a
+    #: request's first comes from its last prefill chunk; a speculative step emits several)
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    generated_tokens: int = 0
     preemptions: int = 0
     tail_only_forwards: int = 0
     tail_skipped_tokens: int = 0
