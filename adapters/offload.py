@@ -104,6 +104,16 @@ class C4Offload:
         self._inflight: list[_Inflight] = []
         self.stats = OffloadStats()
 
+    @property
+    def copy_path(self) -> str:
+        """How swap-ins and backups move: ``zero-copy`` (GPU gathers over the mapped pinned
+        mirror), ``staged`` (a CPU gather into pinned staging, then one copy: the mapping was
+        not asked for or failed) or ``host`` (a CPU run: no device copies)."""
+        if self._stream is None:
+            return "host"
+        mapped = self._mapped and all(v is not None for v in self._mapped.values())
+        return "zero-copy" if mapped else "staged"  # pragma: no cover - CUDA only
+
     # -- copy bookkeeping ------------------------------------------------------------------
 
     def poll(self) -> None:

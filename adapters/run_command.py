@@ -165,6 +165,13 @@ class _Progress:
         self.bar.close()
 
 
+def _paths_line(runner: Runner) -> str:
+    p = runner.paths
+    kern = "Triton kernels" if p.kernels == "triton" else "torch references (no fused kernels)"
+    copies = f", HiSparse copies {p.hisparse_copies}" if p.hisparse_copies else ""
+    return f"paths: {kern}, decode {p.decode}{copies}"
+
+
 def summary(runner: Runner, results: list[GenerationResult], wall: float) -> str:
     st, cs = runner.stats, runner.cache.stats()
     out_tokens = sum(len(r.output) for r in results)
@@ -181,6 +188,7 @@ def summary(runner: Runner, results: list[GenerationResult], wall: float) -> str
         f"{cs.evicted.nodes_removed} nodes removed, {cs.evicted.nodes_tombstoned} tombstoned; "
         f"preemptions {st.preemptions}",
         f"time: forward {st.forward_s:.2f} s, scheduling + cache {st.schedule_s:.2f} s",
+        _paths_line(runner),
     ]
     if st.shared_prefill_waits:
         lines.append(

@@ -31,6 +31,7 @@ import torch
 
 from shadowradix import CacheConfig, InvalidRequestError, ShadowRadixCache
 
+from . import kernels
 from .admission import UnsupportedRequestError, check_priority
 from .decode import Decode
 from .device import check_pools_fit, resolve_device
@@ -40,7 +41,7 @@ from .memory_plan import prefill_budget
 from .model_config import ModelConfig
 from .pools import KVPools, pool_bytes
 from .prefill import Prefill
-from .runner_stats import RunnerStats
+from .runner_stats import ExecutionPaths, RunnerStats
 from .sampling import Sampler, SamplingParams
 from .sequence import FailureStage, GenerationResult, RequestFailure, _Seq
 from .speculative import DraftSource, MTPDraft, SpeculativeDecoder
@@ -233,6 +234,19 @@ class Runner(Prefill, Decode):
     def num_pending(self) -> int:
         """Requests submitted and not finished (waiting or running)."""
         return len(self._waiting) + len(self._running)
+
+    @property
+    def paths(self) -> ExecutionPaths:
+        """Which code this runner's steps take (no silent fallback; the run summary prints it)."""
+        if self.spec is not None:
+            decode = "speculative"
+        elif self.decoder is None:
+            decode = "paged"
+        else:
+            decode = "cuda graphs" if self.decoder.use_graphs else "eager"
+        fused = kernels.SPARSE_KERNELS and kernels.TRITON_AVAILABLE and self.device.type == "cuda"
+        copies = self.offload.copy_path if self.offload is not None else None
+        return ExecutionPaths("triton" if fused else "torch", decode, copies)
 
     @property
     def num_prefilling(self) -> int:

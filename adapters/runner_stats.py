@@ -31,3 +31,16 @@ class RunnerStats:
     shared_prefill_waits: int = 0
     #: requests finished with an error because a forward over them raised
     failed_requests: int = 0
+
+
+@dataclass(frozen=True)
+class ExecutionPaths:
+    """Which code ran, so that no fallback is silent (`Runner.paths`, the run summary):
+    ``kernels``: ``triton`` (the fused kernels) or ``torch`` (their references: a CPU run, or
+    no Triton); ``decode``: ``cuda graphs``, ``eager`` (the graph decoder without capture),
+    ``paged`` (the paged path: HiSparse, or graphs off) or ``speculative``; ``hisparse_copies``:
+    `C4Offload.copy_path` (None without HiSparse)."""
+
+    kernels: str
+    decode: str
+    hisparse_copies: str | None = None
