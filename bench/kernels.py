@@ -454,7 +454,7 @@ class Bench:
         import importlib
 
         return importlib.import_module(
-            "adapters.kernels.topk"
+            "adapters.kernels.topk_lightning"
         )  # the package's `topk` is a function
 
     @staticmethod
@@ -715,7 +715,7 @@ class Bench:
 
         from adapters.kernels import compressor as C
 
-        TK = importlib.import_module("adapters.kernels.topk")
+        TK = importlib.import_module("adapters.kernels.topk_lightning")
         target = GPUTarget("cuda", arch, 32)
         tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
         failures = 0

@@ -73,7 +73,7 @@ def _topk(smoke: bool):
         return kernels.topk
     import importlib
 
-    return importlib.import_module("adapters.kernels.topk").lightning_topk
+    return importlib.import_module("adapters.kernels.topk_lightning").lightning_topk
 
 
 def _lengths(b: int, n: int, kind: str, device, g) -> torch.Tensor | None:

@@ -118,7 +118,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--variants", default="histogram,bound")
     args = p.parse_args()
-    tk = importlib.import_module("adapters.kernels.topk")
+    tk = importlib.import_module("adapters.kernels.topk_lightning")
     for shape in args.shapes.split(","):
         b, n = (int(v) for v in shape.split("x"))
         x = torch.randn(b, n, device="cuda")

@@ -44,7 +44,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=512)
     p.add_argument("--variants", nargs="+", default=[""])
     args = p.parse_args()
-    tk = importlib.import_module("adapters.kernels.topk")
+    tk = importlib.import_module("adapters.kernels.topk_lightning")
     ref = importlib.import_module("adapters.kernels.reference")
     timer = Timer(torch.device("cuda"))
     for shape in args.shape:

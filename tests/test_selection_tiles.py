@@ -40,7 +40,7 @@ def _spec(v: int) -> str:
 def test_a_million_token_prefill_meets_few_topk_shapes(monkeypatch):
     """Lightning TopK's launch plans (constexprs, and the divisibility of its integer arguments)
     over every tile of a 1,048,576-token prompt in 8,192-token chunks, on a 132-SM device."""
-    topk = importlib.import_module("adapters.kernels.topk")
+    topk = importlib.import_module("adapters.kernels.topk_lightning")
     monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
     d = {k: v.default for k, v in inspect.signature(topk.lightning_topk).parameters.items()}
     knobs = topk._Knobs(

@@ -10,18 +10,16 @@
 * `quantize.fp8_store`: FP8 (e4m3) pool rows quantised and stored in one launch (``pools.store``
   on CUDA, `QUANTIZE_KERNEL`).
 
-CUDA tensors go to the Triton kernels (`.compressor`, `.topk`) when Triton is installed; anything
-else goes to the PyTorch references (`.reference`), which define the results. Triton is imported
-only on the first CUDA call, so importing this package never needs it (and a test may still set
-``TRITON_INTERPRET=1`` before Triton's first import).
+CUDA tensors go to the Triton kernels (`.compressor`, `.topk_lightning`, ...) when Triton is
+installed; anything else goes to the PyTorch references (`.reference`), which define the
+results. Triton is imported only on the first CUDA call, so importing this package never needs
+it (and a test may still set ``TRITON_INTERPRET=1`` before Triton's first import).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import sys
-import types
 
 import torch
 
@@ -65,21 +63,6 @@ HC_KERNELS = os.environ.get("ADAPTERS_HC_KERNELS", "1") != "0"
 #: Store FP8 pool rows on CUDA with the fused quantiser (`kernels.quantize.fp8_store`);
 #: False keeps `formats.write_rows`' torch chain (the same bytes: benchmarks time both).
 QUANTIZE_KERNEL = True
-
-
-class _Package(types.ModuleType):
-    """Keeps ``adapters.kernels.topk`` the dispatch function below. Importing the submodule of
-    the same name (``adapters/kernels/topk.py``) makes Python set the package attribute to that
-    module, which would turn ``kernels.topk(...)`` into "module is not callable". Reach the
-    submodule with ``from adapters.kernels.topk import ...`` or ``importlib.import_module``."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "topk" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -148,7 +131,7 @@ def topk(
     else a deterministic order that is the implementation's (the reference's: by index; Lightning
     TopK's: see `topk.lightning_topk`). See `reference.topk_reference`."""
     if use_triton(scores):  # pragma: no cover - needs a GPU
-        from .topk import lightning_topk
+        from .topk_lightning import lightning_topk
 
         return lightning_topk(scores, k, lengths, sorted=sorted)
     return topk_reference(scores, k, lengths, sorted=sorted)
