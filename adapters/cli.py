@@ -6,8 +6,9 @@ import argparse
 import importlib.metadata
 import sys
 
-from shadowradix.cli import OneLineParser, add_demo_parser, non_negative, positive, run_demo
 from shadowradix.errors import ShadowRadixError
+
+from .cli_args import OneLineParser, add_demo_parser, non_negative, positive, run_demo
 
 DEFAULT_SYSTEM = (
     "You are a careful assistant for an inference engine team. Answer briefly, cite the "

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from adapters.cli import main
+from adapters.demo import DemoTrace, run_demo
 from shadowradix import CacheConfig
-from shadowradix.cli import main
-from shadowradix.demo import DemoTrace, run_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 

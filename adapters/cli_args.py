@@ -1,13 +1,14 @@
-"""Cache-only ``demo`` command (the ``shadowradix`` console script lives in ``adapters.cli``)."""
+"""The console script's argument parsing (`OneLineParser`, integer types) and its cache-only
+``demo`` command (``shadowradix demo``: `adapters.cli`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .config import CacheConfig
+from shadowradix import CacheConfig
+
 from .demo import DemoTrace, main_demo
-from .errors import ShadowRadixError
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -70,19 +71,3 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     print(main_demo(config, trace))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The cache-only entry point (``python -m shadowradix.cli demo``): exit 2 with one line
-    for a configuration the cache refuses or a trace its pools cannot serve."""
-    parser = OneLineParser(prog="shadowradix", description="ShadowRadix KV-cache manager")
-    add_demo_parser(parser.add_subparsers(dest="command", required=True))
-    try:
-        return run_demo(parser.parse_args(argv))
-    except ShadowRadixError as exc:
-        print(f"shadowradix demo: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -13,10 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cache import ShadowRadixCache
-from .config import CacheConfig
-from .errors import CapacityError
-from .request import Request
+from shadowradix import CacheConfig, CapacityError, Request, ShadowRadixCache
 
 
 @dataclass(frozen=True)
