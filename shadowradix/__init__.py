@@ -10,6 +10,7 @@ from __future__ import annotations
 from .allocator import PageAllocator, SwaPage, VirtualPage
 from .cache import ShadowRadixCache
 from .config import V4_FLASH_RATIOS, CacheConfig, StreamSpec, split_budget
+from .deltas import PageTableDelta, TableChanges
 from .errors import (
     CapacityError,
     ConfigError,
@@ -18,6 +19,7 @@ from .errors import (
     LockError,
     ShadowRadixError,
     StaleMatchError,
+    StalePlanError,
 )
 from .events import KvEvent, KvEventKind
 from .locks import LockReceipt, PinReceipt, Pool
@@ -30,6 +32,7 @@ from .results import (
     MatchResult,
     PoolStats,
     ReadPlan,
+    StepPlan,
     StreamReads,
     StreamWrites,
     WindowSource,
@@ -54,6 +57,7 @@ __all__ = [
     "PinReceipt",
     "MatchResult",
     "PageAllocator",
+    "PageTableDelta",
     "Pool",
     "PoolStats",
     "ReadPlan",
@@ -62,10 +66,13 @@ __all__ = [
     "ShadowRadixCache",
     "ShadowRadixError",
     "StaleMatchError",
+    "StalePlanError",
+    "StepPlan",
     "StreamReads",
     "StreamSpec",
     "StreamWrites",
     "SwaPage",
+    "TableChanges",
     "V4_FLASH_RATIOS",
     "VirtualPage",
     "WindowSource",

@@ -3,8 +3,8 @@
 Every public mutating call validates first, then checks capacity (free + evictable pages), and
 only then changes anything: a call that raises leaves the cache exactly as it was. Costs are
 O(pages) in Python; per-token work is vectorised in `shadows`. The parts of the lifecycle live
-in modules named after them and are mixed in: `matching`, `extension`, `window`, `insertion`,
-`eviction`, `embedding` (the embedder verbs).
+in modules named after them and are mixed in: `matching`, `extension`, `drafts`, `window`,
+`insertion`, `eviction`, `embedding` (the embedder verbs).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import numpy as np
 
 from .allocator import PageAllocator
 from .config import CacheConfig
+from .deltas import TableChanges
+from .drafts import DraftVerbs
 from .embedding import EmbedderVerbs
 from .errors import ConfigError, InvalidRequestError
 from .events import EventLog
@@ -32,15 +34,16 @@ from .page_table import PageTable
 from .radix_tree import RadixTree
 from .request import Request, RequestState
 from .results import (
-    Allocation,
     CacheStats,
     EvictionReport,
     MatchResult,
     PoolStats,
     ReadPlan,
+    StepPlan,
 )
 from .shadows import Run, Shadows
-from .validation import TokenInput, as_count, as_tokens, single_tokens
+from .table_edits import TableEdits
+from .validation import TokenInput, as_tokens, single_tokens
 from .window import WindowTrim
 
 _log = logging.getLogger("shadowradix")
@@ -49,7 +52,13 @@ HIT_WATCH_WINDOW = 256
 
 
 class ShadowRadixCache(
-    PrefixMatching, StepExtension, WindowTrim, TreeInsertion, EvictionPolicy, EmbedderVerbs
+    PrefixMatching,
+    StepExtension,
+    DraftVerbs,
+    WindowTrim,
+    TreeInsertion,
+    EvictionPolicy,
+    EmbedderVerbs,
 ):
     """Prefix cache for DeepSeek-V4-style hybrid attention. See docs/design.md and docs/api.md.
 
@@ -76,6 +85,7 @@ class ShadowRadixCache(
         self._requests: dict[int, Request] = {}
         self._pins: dict[int, PinReceipt] = {}
         self._pin_ids = itertools.count()
+        self._step_stamps = itertools.count()
         self._prompt_tokens = self._hit_tokens = self._replayed_tokens = 0
         self._replayed_hits = self._approximate_hits = 0
         self._admissions = self._matched_tokens = 0
@@ -188,14 +198,15 @@ class ShadowRadixCache(
 
     # -- extension ---------------------------------------------------------------------------
 
-    def extend(self, request: Request, tokens: TokenInput) -> Allocation:
+    def extend(self, request: Request, tokens: TokenInput) -> StepPlan:
         """Append committed tokens (a prefill chunk or decoded tokens) to one request."""
         return self.extend_batch([request], [tokens])
 
     def extend_batch(
         self, requests: Sequence[Request], tokens: Sequence[TokenInput] | np.ndarray
-    ) -> Allocation:
-        """Append committed tokens to several requests at once: one `Allocation` for the step.
+    ) -> StepPlan:
+        """Append committed tokens to several requests at once: one `StepPlan` for the step
+        (its writes, each request's reads, the page-table deltas).
 
         All or nothing: on any error no request changes. Window pages that every request's
         window has left are released *after* allocating (the current forward still reads them).
@@ -209,106 +220,58 @@ class ShadowRadixCache(
         arrays = [as_tokens(t, "tokens") for t in tokens]
         return self._extend(requests, arrays, draft=False)
 
-    def extend_draft(self, request: Request, tokens: TokenInput) -> Allocation:
-        """Append speculative draft tokens; `rollback` must settle them before anything else.
-
-        Needs ``speculative=True`` (doubled rings) and at most ``config.max_draft_len`` tokens.
-        """
-        return self.extend_draft_batch([request], [tokens])
-
-    def extend_draft_batch(
-        self, requests: Sequence[Request], tokens: Sequence[TokenInput] | np.ndarray
-    ) -> Allocation:
-        """Append draft tokens to several requests at once: one `Allocation` for the verify step.
-
-        Each request gets its own pending draft, settled by its own `rollback`. All or nothing:
-        every check (the errors of `extend_draft` for each request) and the capacity check run
-        before anything changes. Pages are allocated request by request, in batch order; rolling
-        the requests back in reverse order after rejecting every draft restores the exact free
-        stacks. A partial acceptance equals never drafting up to a renaming of page ids (see
-        docs/speculative.md).
-        """
-        self._check_batch(requests, tokens)
-        arrays = [as_tokens(t, "tokens") for t in tokens]
-        if not self.config.speculative:
-            raise InvalidRequestError("extend_draft needs CacheConfig(speculative=True)")
-        limit = self.config.max_draft_len
-        longest = max(len(a) for a in arrays)
-        if limit is not None and longest > limit:
-            raise InvalidRequestError(f"draft of {longest} tokens exceeds max_draft_len={limit}")
-        return self._extend(requests, arrays, draft=True)
-
-    def rollback(self, request: Request, num_tokens: int) -> None:
-        """Reject the last ``num_tokens`` draft tokens and commit the rest of the draft.
-
-        Afterwards tree and pools equal a run that extended only the accepted tokens (unless
-        the draft's allocation had to evict): rejected pages go back on top of the free stacks.
-        """
-        self._check_active(request)
-        count = as_count(num_tokens)
-        if count is None or count > request.num_draft:
-            raise InvalidRequestError(
-                f"can roll back 0..{request.num_draft} draft tokens, not {num_tokens!r}"
-            )
-        num_tokens = count
-        p = self.config.page_size
-        start = request.length - request.num_draft
-        accepted = request.num_draft - num_tokens
-        end = start + accepted
-        keep_pages = -(-end // p)
-        self._swa.give_back(request.swa_pages[keep_pages - request.swa_base :])
-        del (
-            request.swa_pages[keep_pages - request.swa_base :],
-            request.swa_owned[keep_pages - request.swa_base :],
-        )
-        self._full.give_back(request.vpages.slice(keep_pages))
-        request.vpages.truncate(keep_pages)
-        request._truncate(end)
-        request.num_draft = 0
-        if accepted:
-            self._release_window(request, start)
-        self._debug_check()
-
     # -- caching and completion ----------------------------------------------------------------
 
-    def cache_unfinished(self, request: Request) -> None:
+    def cache_unfinished(self, request: Request) -> TableChanges:
         """Insert the request's committed full pages into the tree; the request keeps running.
 
         Pages the tree already holds (another request inserted the same prefix) replace the
-        request's duplicates. Call it after the forward of the request's last chunk: its window
+        request's duplicates, which go back to the free lists: the returned deltas name the
+        entries that changed. Call it after the forward of the request's last chunk: its window
         is trimmed to the committed length, so pages it no longer needs stop being protected
         (they stay in the tree as evictable SWA, tombstoned only by SWA eviction).
         """
         self._check_active(request)
-        if self._insert(request) | self._trim_window(request, request.num_committed):
+        edits = TableEdits(request)
+        if self._insert(request, edits) | self._trim_window(request, request.num_committed):
             self._relock_swa(request)
+        request._step_stamp = None
         self._debug_check()
+        return edits.changes()
 
-    def finish(self, request: Request) -> None:
-        """Insert the committed full pages, then release every lock and private page."""
+    def finish(self, request: Request) -> TableChanges:
+        """Insert the committed full pages, then release every lock and private page. The
+        deltas leave the virtual table holding the tree's pages and the SWA table empty."""
         self._check_active(request)
         if request.num_draft:
             raise InvalidRequestError("finish: rollback the pending draft first")
-        self._insert(request)  # the SWA lock is dropped right after: no need to re-take it
+        edits = TableEdits(request)
+        self._insert(request, edits)  # the SWA lock is dropped right after: no need to re-take it
         self._release(request, RequestState.FINISHED)
         self._debug_check()
+        return edits.changes()
 
-    def abort(self, request: Request) -> None:
-        """Release the request without caching anything it computed."""
+    def abort(self, request: Request) -> TableChanges:
+        """Release the request without caching anything it computed (deltas as `finish`)."""
         self._check_active(request)
+        edits = TableEdits(request)
         self._release(request, RequestState.ABORTED)
         self._debug_check()
+        return edits.changes()
 
     def _release(self, request: Request, state: RequestState) -> None:
         for receipt in (request.swa_receipt, request.full_receipt):
             if receipt is not None:
                 self._locks.unlock(receipt)
         request.swa_receipt = request.full_receipt = None
-        self._full.free(request.vpages.slice(request.tree_pages))
-        self._swa.free(list(compress(request.swa_pages, request.swa_owned)))
+        private_v = request.vpages.slice(request.tree_pages)
+        private_s = list(compress(request.swa_pages, request.swa_owned))
+        self._full.free(private_v)
+        self._swa.free(private_s)
         request.swa_pages, request.swa_owned = [], []
         request.vpages.truncate(request.tree_pages)  # O(private pages), not O(prefix)
         request.state = state
+        request._step_stamp = None
         del self._requests[request.id]
         self._tree.touch(request.terminal.path_from_root())
 
@@ -330,9 +293,12 @@ class ShadowRadixCache(
                 f"read_plan start {start} outside [{request.released_at}, {request.length}]: "
                 "the window before it is no longer held"
             )
+        return self._read_plan(request, request.length if start is None else start)
+
+    def _read_plan(self, request: Request, start: int) -> ReadPlan:
         return self._shadows.read_plan(
             request.length,
-            request.length if start is None else start,
+            start,
             request.vpages,
             request.swa_base,
             request.swa_pages,

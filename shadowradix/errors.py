@@ -40,6 +40,10 @@ class StaleMatchError(InvalidRequestError):
     """`admit` got a `MatchResult` taken before the tree last changed; match again."""
 
 
+class StalePlanError(InvalidRequestError):
+    """A `StepPlan`'s reads were asked for after a later call changed one of its requests."""
+
+
 class InvariantError(ShadowRadixError, AssertionError):
     """`check_invariants` found the cache in a state it must never reach (a bug)."""
 

@@ -1,6 +1,7 @@
 """Extending requests by a step: the batch checks, the pages every request needs (all taken
 before any request changes, so a failure leaves everything as it was), the general path and the
-one-token decode path, and the `Allocation` describing what the step writes."""
+one-token decode path, and the `StepPlan` describing what the step writes, reads and changes in
+the page tables."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, StalePlanError
 from .eviction import NO_EVICTION
 from .request import Request, RequestState
-from .results import Allocation, EvictionReport
+from .results import EvictionReport, ReadPlan, StepPlan
 from .shadows import Run
 from .validation import TokenInput
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from .allocator import PageAllocator
     from .config import CacheConfig
     from .shadows import Shadows
@@ -30,7 +33,9 @@ class StepExtension:
         _full: PageAllocator
         _swa: PageAllocator
         _shadows: Shadows
+        _step_stamps: Iterator[int]
 
+        def _read_plan(self, request: Request, start: int) -> ReadPlan: ...
         def _check_active(self, request: Request) -> None: ...
         def _reserve(self, full_pages: int, swa_pages: int) -> EvictionReport: ...
         def _release_window(self, request: Request, computed_len: int) -> None: ...
@@ -61,14 +66,16 @@ class StepExtension:
 
     def _extend(
         self, requests: Sequence[Request], arrays: list[np.ndarray], draft: bool
-    ) -> Allocation:
+    ) -> StepPlan:
         p = self.config.page_size
         needs = [self._pages_needed(r, len(a)) for r, a in zip(requests, arrays)]
         evicted = self._reserve(sum(n[0] for n in needs), sum(n[1] for n in needs))
         pages = self._take_pages(needs)  # before any request changes: all or nothing
-        runs = []
+        stamp = next(self._step_stamps)
+        runs, records = [], []
         for r, a, (vp, sp) in zip(requests, arrays, pages):
-            start = r.length
+            start, base = r.length, r.swa_base
+            v_end, s_end = len(r.vpages), base + len(r.swa_pages)
             self._grow(r, vp, sp)
             first = max(r.swa_base, (start - self.config.window) // p)
             runs.append(
@@ -85,11 +92,24 @@ class StepExtension:
                 r.num_draft = len(a)
             else:
                 self._release_window(r, start)
-        allocation = self._shadows.allocation(tuple(r.id for r in requests), runs, evicted)
+            r._step_stamp = stamp
+            if vp or sp or r.swa_base != base:
+                records.append((r.id, v_end, vp, s_end, sp, base, r.swa_base))
+        starts = [run.start for run in runs]
+        plan = StepPlan(
+            tuple(r.id for r in requests),
+            starts,
+            [run.end for run in runs],
+            evicted,
+            False,
+            self._shadows.expander(runs),
+            (self._step_reads, tuple(requests), stamp),
+            records,
+        )
         self._debug_check()
-        return allocation
+        return plan
 
-    def _extend_decode(self, requests: Sequence[Request], tokens: list[int]) -> Allocation:
+    def _extend_decode(self, requests: Sequence[Request], tokens: list[int]) -> StepPlan:
         """One token per request: same contract as `_extend`, with O(1) Python per request."""
         p, w = self.config.page_size, self.config.window
         group_mask = self._shadows.group_mask
@@ -97,28 +117,56 @@ class StepExtension:
         crossing = sum(1 for start in starts if start % p == 0)
         evicted = self._reserve(crossing, crossing) if crossing else NO_EVICTION
         fresh = iter(self._take_pages([(1, 1)] * crossing))
+        stamp = next(self._step_stamps)
         vpages: list[int] = []
         spages: list[int] = []
         carry_tables: dict[int, tuple[int, list[int]]] = {}
+        records = []
         for i, (r, t, start) in enumerate(zip(requests, tokens, starts)):
-            page = start // p
-            if start % p == 0:
-                self._grow(r, *next(fresh))
+            page, base = start // p, r.swa_base
+            new = next(fresh) if start % p == 0 else None
+            if new is not None:
+                self._grow(r, *new)
             table = r.vpages
             vpages.append(table.own[page - table.base])  # a new token's page is never shared
-            spages.append(r.swa_pages[page - r.swa_base])
+            spages.append(r.swa_pages[page - base])
             if not (start + 1) & group_mask:
-                first = max(r.swa_base, (start - w) // p)
-                carry_tables[i] = (first, r.swa_pages[first - r.swa_base : page + 1 - r.swa_base])
+                first = max(base, (start - w) // p)
+                carry_tables[i] = (first, r.swa_pages[first - base : page + 1 - base])
             r._append_one(t)
             if page != r.released_at // p:
                 self._release_window(r, start)
-        ids = tuple(r.id for r in requests)
-        allocation = self._shadows.decode_allocation(
-            ids, starts, vpages, spages, carry_tables, evicted
+            r._step_stamp = stamp
+            if new is not None:  # the new page is page ``page`` of both tables
+                records.append((r.id, page, new[0], page, new[1], base, r.swa_base))
+            elif r.swa_base != base:
+                records.append((r.id, page + 1, [], page + 1, [], base, r.swa_base))
+        plan = StepPlan(
+            tuple(r.id for r in requests),
+            starts,
+            [s + 1 for s in starts],
+            evicted,
+            False,
+            self._shadows.decode_expander(starts, vpages, spages, carry_tables),
+            (self._step_reads, tuple(requests), stamp),
+            records,
         )
         self._debug_check()
-        return allocation
+        return plan
+
+    def _step_reads(
+        self, requests: tuple[Request, ...], starts: Sequence[int], stamp: int
+    ) -> tuple[ReadPlan, ...]:
+        """A step's reads (`StepPlan.reads`): `read_plan` of each request from its step's start,
+        refused once a later call changed one of the requests (its tables are no longer the
+        step's)."""
+        for r in requests:
+            if r._step_stamp != stamp:
+                raise StalePlanError(
+                    f"request {r.id} changed since this step: read plan.reads before the next "
+                    "call on its requests (or call read_plan)"
+                )
+        return tuple(self._read_plan(r, s) for r, s in zip(requests, starts))
 
     def _take_pages(self, needs: list[tuple[int, int]]) -> list[tuple[list[int], list[int]]]:
         """Allocate every request's (virtual, SWA) pages of a step before any request changes.

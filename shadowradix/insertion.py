@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .config import CacheConfig
     from .locks import LockTable
     from .radix_tree import RadixTree
+    from .table_edits import TableEdits
 
 
 class TreeInsertion:
@@ -29,9 +30,10 @@ class TreeInsertion:
         _full: PageAllocator
         _swa: PageAllocator
 
-    def _insert(self, request: Request) -> bool:
+    def _insert(self, request: Request, edits: TableEdits) -> bool:
         """Move the committed full pages into the tree and re-take the FULL lock. Returns
-        whether anything was inserted (the SWA lock must then be re-taken by the caller)."""
+        whether anything was inserted (the SWA lock must then be re-taken by the caller).
+        Entries of the request's tables replaced by the tree's are recorded in ``edits``."""
         p = self.config.page_size
         full_pages = request.num_committed // p
         if full_pages <= request.tree_pages:
@@ -44,7 +46,7 @@ class TreeInsertion:
             node = child
             if walk.last_pages < child.num_pages and child is walk.nodes[-1]:
                 node = self._tree.split(child, walk.last_pages)
-            self._adopt_tree_pages(request, node)
+            self._adopt_tree_pages(request, node, edits)
         if node.end_page < full_pages:
             node = self._grow_tree(request, node, tokens[node.end_page * p - first :], full_pages)
         request.tree_pages = full_pages
@@ -54,7 +56,7 @@ class TreeInsertion:
             self._locks.unlock(old_full)
         return True
 
-    def _adopt_tree_pages(self, request: Request, node: Node) -> None:
+    def _adopt_tree_pages(self, request: Request, node: Node, edits: TableEdits) -> None:
         """The tree already holds ``node``'s pages: drop the request's duplicates of them.
 
         Window pages the tree still has live replace the request's copies; window pages the
@@ -63,15 +65,20 @@ class TreeInsertion:
         """
         lo, hi, base = node.start_page, node.end_page, request.swa_base
         request.approximate |= node.approximate  # it now reads that node's state
-        self._full.free(request.vpages.slice(lo, hi))
+        freed_v = request.vpages.slice(lo, hi)
+        self._full.free(freed_v)
         request.vpages.replace(lo, hi, node.vpages.tolist())
+        edits.wrote_vpages(lo, hi)
         live_abs = hi - len(node.swa_pages)
+        freed_s = []
         for k in range(max(lo, base, live_abs), hi):
             i = k - base
             if request.swa_owned[i]:
-                self._swa.free([request.swa_pages[i]])
+                freed_s.append(request.swa_pages[i])
                 request.swa_pages[i] = int(node.swa_pages[k - live_abs])
                 request.swa_owned[i] = False
+                edits.wrote_swa(k, k + 1)
+        self._swa.free(freed_s)
         first = max(lo, base)
         if first < live_abs and (node.approximate or not request.approximate):
             revived = request.swa_pages[first - base : live_abs - base]

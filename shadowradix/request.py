@@ -62,6 +62,7 @@ class Request:
         "released_at",
         "own_leaf",
         "approximate",
+        "_step_stamp",
     )
 
     def __init__(
@@ -96,6 +97,9 @@ class Request:
         self.own_leaf: Node | None = None
         #: reads state derived from a bounded replay (its own, or a cached one it reused)
         self.approximate = match.approximate
+        #: the stamp of the last `StepPlan` that extended it; ``None`` once another call
+        #: changed it (that plan's reads are then stale)
+        self._step_stamp: int | None = None
 
     @property
     def length(self) -> int:

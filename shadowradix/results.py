@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from .deltas import PageTableDelta, step_deltas
+from .errors import InvalidRequestError
 from .node import Node
 
 
@@ -185,6 +188,73 @@ class Allocation:
         return (
             f"Allocation(requests={self.request_ids}, tokens={self.num_tokens}, "
             f"replay={self.replay}, evicted={self.evicted})"
+        )
+
+
+#: what a `StepPlan` calls for its reads: (the step's requests, their starts, the step's stamp)
+ReadStep = Callable[[tuple[Any, ...], Sequence[int], int], "tuple[ReadPlan, ...]"]
+
+
+class StepPlan(Allocation):
+    """What one extend step does (`extend`, `extend_batch`, `extend_draft`,
+    `extend_draft_batch`): the writes (every attribute of `Allocation`), the reads of each
+    request's forward, and what the step changed in the requests' page tables.
+
+    ``reads[i]``: the `ReadPlan` of ``request_ids[i]``, ``read_plan(request, start=starts[i])``
+    (the window of every query of its new tokens). Built on first access from the requests as
+    the step left them, so read it before the next call that changes one of them: afterwards it
+    raises `StalePlanError`. ``deltas``: the `PageTableDelta`s of the step, in batch order
+    (virtual table, then SWA table, of each request that changed); built on first access from
+    a record taken during the step, valid forever. Both cost nothing unless read.
+    """
+
+    __slots__ = ("_read", "_reads", "_records", "_deltas")
+
+    def __init__(
+        self,
+        request_ids: tuple[int, ...],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        evicted: EvictionReport,
+        replay: bool,
+        expand: Callable[[], StepArrays],
+        read: tuple[ReadStep, tuple[Any, ...], int] | None = None,
+        records: Sequence[tuple[int, int, list[int], int, list[int], int, int]] = (),
+    ) -> None:
+        """`Allocation`'s arguments, then where the reads come from (the cache's reader, the
+        step's requests, its stamp) and the step's record of table changes; without them (a
+        plan made by hand) there are no deltas and ``reads`` raises `InvalidRequestError`."""
+        self.request_ids = request_ids
+        self.starts = starts
+        self.ends = ends
+        self.evicted = evicted
+        self.replay = replay
+        self._expand = expand
+        self._arrays = None
+        self._read = read
+        self._reads: tuple[ReadPlan, ...] | None = None
+        self._records = records
+        self._deltas: tuple[PageTableDelta, ...] | None = None
+
+    @property
+    def reads(self) -> tuple[ReadPlan, ...]:
+        if self._reads is None:
+            if self._read is None:
+                raise InvalidRequestError("this StepPlan was not made by an extend: no reads")
+            reader, requests, stamp = self._read  # called now, not bound in a closure: cheaper
+            self._reads = reader(requests, self.starts, stamp)
+        return self._reads
+
+    @property
+    def deltas(self) -> tuple[PageTableDelta, ...]:
+        if self._deltas is None:
+            self._deltas = step_deltas(self._records)
+        return self._deltas
+
+    def __repr__(self) -> str:
+        return (
+            f"StepPlan(requests={self.request_ids}, tokens={self.num_tokens}, "
+            f"evicted={self.evicted})"
         )
 
 

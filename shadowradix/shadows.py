@@ -136,31 +136,23 @@ class Shadows:
         """General step: any number of new tokens per request (``runs`` are private copies)."""
         starts = [r.start for r in runs]
         ends = [r.end for r in runs]
-        return Allocation(
-            request_ids, starts, ends, evicted, replay, lambda: self._expand_runs(runs, replay)
-        )
+        return Allocation(request_ids, starts, ends, evicted, replay, self.expander(runs, replay))
 
-    def decode_allocation(
+    def expander(self, runs: list[Run], replay: bool = False) -> Callable[[], StepArrays]:
+        """The deferred per-token arrays of a general step (``runs`` are private copies)."""
+        return lambda: self._expand_runs(runs, replay)
+
+    def decode_expander(
         self,
-        request_ids: tuple[int, ...],
         starts: list[int],
         vpages: list[int],
         spages: list[int],
         carry_tables: dict[int, tuple[int, list[int]]],
-        evicted: EvictionReport,
-    ) -> Allocation:
-        """Batched decode: one new token per request. ``carry_tables`` maps the index of each
-        request whose token completes a group to a copy of its window table (first page,
-        pages), for the in-flight rows that group reads."""
-        ends = [s + 1 for s in starts]
-        return Allocation(
-            request_ids,
-            starts,
-            ends,
-            evicted,
-            False,
-            lambda: self._expand_decode(starts, vpages, spages, carry_tables),
-        )
+    ) -> Callable[[], StepArrays]:
+        """The deferred arrays of a batched decode step: one new token per request.
+        ``carry_tables`` maps the index of each request whose token completes a group to a copy
+        of its window table (first page, pages), for the in-flight rows that group reads."""
+        return lambda: self._expand_decode(starts, vpages, spages, carry_tables)
 
     def _expand_runs(self, runs: list[Run], replay: bool) -> StepArrays:
         if len(runs) == 1:

@@ -8,7 +8,11 @@ rollback / cache_unfinished / finish / abort / evict / rebalance over tiny pools
 * a plain-Python reference of what was inserted: matches only return inserted prefixes, locked
   prefixes stay matchable, inserting a sequence then matching it gives the full aligned hit;
 * failed calls (`CapacityError`) leave a snapshot-identical cache;
-* draft + rollback equals a run that extended only the accepted tokens.
+* draft + rollback equals a run that extended only the accepted tokens;
+* a copy of every live request's page tables kept only by applying the deltas the calls return
+  (`TableMirror`) equals ``request.vpages`` / ``request.swa_pages`` after every step (eviction
+  and rebalancing return none: they never change a live request's table), and each step's
+  ``plan.reads`` equals `read_plan` from the step's start.
 
 Subclass and override `make_cache` to run it against an integration.
 """
@@ -33,14 +37,58 @@ from hypothesis.stateful import (
 
 from ..cache import ShadowRadixCache
 from ..config import CacheConfig
+from ..deltas import PageTableDelta
 from ..errors import CapacityError
+from ..locks import Pool
 from ..request import Request
-from ..results import Allocation, WindowSource
+from ..results import Allocation, ReadPlan, StepPlan, WindowSource
 from .oracle import FingerprintOracle
 from .snapshot import snapshot
 from .strategies import cache_configs
 
 ALPHABET = 3
+
+
+class TableMirror:
+    """What an engine keeps: a copy of each request's tables, taken at `admit` and changed only
+    by applying deltas (virtual pages, SWA base, SWA pages per request id)."""
+
+    def __init__(self) -> None:
+        self.tables: dict[int, tuple[list[int], int, list[int]]] = {}
+
+    def admitted(self, request: Request) -> None:
+        self.tables[request.id] = (list(request.vpages), request.swa_base, list(request.swa_pages))
+
+    def apply(self, deltas: tuple[PageTableDelta, ...]) -> None:
+        for d in deltas:
+            vpages, base, swa = self.tables[d.request_id]
+            if d.pool is Pool.FULL:
+                d.apply(vpages)
+            else:
+                base = d.apply(swa, base)
+            self.tables[d.request_id] = (vpages, base, swa)
+
+    def check(self, request: Request) -> None:
+        vpages, base, swa = self.tables[request.id]
+        assert vpages == list(request.vpages), f"r{request.id}: virtual table != its deltas"
+        assert (base, swa) == (request.swa_base, request.swa_pages), (
+            f"r{request.id}: SWA table [{request.swa_base}+{request.swa_pages}] != its deltas "
+            f"[{base}+{swa}]"
+        )
+
+
+def _read_arrays(plan: ReadPlan) -> list[np.ndarray]:
+    streams = [(s.entry_slots, s.inflight_positions, s.inflight_rows) for s in plan.streams]
+    return [plan.swa_positions, plan.swa_slots] + [x for arrays in streams for x in arrays]
+
+
+def same_reads(a: ReadPlan, b: ReadPlan) -> bool:
+    """Whether two read plans name the same slots (`ReadPlan` holds arrays: no ``==``)."""
+    if (a.length, a.replay_start) != (b.length, b.replay_start):
+        return False
+    if [s.ratio for s in a.streams] != [s.ratio for s in b.streams]:
+        return False
+    return all(np.array_equal(x, y) for x, y in zip(_read_arrays(a), _read_arrays(b)))
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -62,6 +110,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.stems = [rng.integers(0, ALPHABET, stem_len).tolist() for _ in range(3)]
         self.inserted: set[tuple[int, ...]] = set()
         self.live: dict[int, Request] = {}
+        self.mirror = TableMirror()
         note(f"config={self.config}")
 
     # -- helpers -----------------------------------------------------------------------------
@@ -116,6 +165,7 @@ class CacheMachine(RuleBasedStateMachine):
             self._expect_unchanged(before, err)
             return multiple()
         self.live[request.id] = request
+        self.mirror.admitted(request)
         event(f"admit: {match.window.value}" + (" (hit)" if match.hit_len else ""))
         note(
             f"admit r{request.id}: len={len(prompt)} {match.window.value} prefix={match.prefix_len}"
@@ -143,9 +193,23 @@ class CacheMachine(RuleBasedStateMachine):
         for t in range(decode_len):
             if not self._extend([request], [[t % ALPHABET]]):
                 break
-        self.cache.finish(request)
-        del self.live[request.id]
+        self._finished(request, self.cache.finish(request).deltas)
         self._record_insert(request)
+
+    def _finished(self, request: Request, deltas: tuple[PageTableDelta, ...]) -> None:
+        """``request`` was finished or aborted: its last deltas leave the tables it ends with."""
+        self.mirror.apply(deltas)
+        self.mirror.check(request)
+        del self.live[request.id], self.mirror.tables[request.id]
+
+    def _check_plan(self, plan: StepPlan, batch: list[Request]) -> None:
+        """The step's reads are `read_plan` from each start; its deltas keep the mirror."""
+        self.mirror.apply(plan.deltas)
+        for request, start, reads in zip(batch, plan.starts, plan.reads):
+            # every query of the chunk finds its whole window (read_plan with start=)
+            plan_now = self.cache.read_plan(request, start=start)
+            assert same_reads(reads, plan_now), "plan.reads differs from read_plan(start=)"
+            self.oracle.check_reads(plan_now, request.tokens, request.id, request.approximate)
 
     @precondition(lambda self: self.live)
     @rule(request=requests, size=st.integers(1, 300))
@@ -172,10 +236,7 @@ class CacheMachine(RuleBasedStateMachine):
         if allocation.evicted.nodes_removed or allocation.evicted.nodes_tombstoned:
             event("extend evicted")
         self._write(allocation)
-        for request, start in zip(batch, allocation.starts):
-            # every query of the chunk finds its whole window (read_plan with start=)
-            plan = self.cache.read_plan(request, start=start)
-            self.oracle.check_reads(plan, request.tokens, request.id, request.approximate)
+        self._check_plan(allocation, batch)
         return True
 
     @precondition(lambda self: self.config.speculative and self.live)
@@ -196,7 +257,8 @@ class CacheMachine(RuleBasedStateMachine):
             self._expect_unchanged(before, err)
             return
         self._write(allocation)
-        self.cache.rollback(request, len(draft) - accepted)
+        self._check_plan(allocation, [request])
+        self.mirror.apply(self.cache.rollback(request, len(draft) - accepted).deltas)
         note(f"draft r{request.id}: {len(draft)} drafted, {accepted} accepted")
         event(
             f"draft: {'all' if accepted == len(draft) else 'some' if accepted else 'none'} accepted"
@@ -211,7 +273,7 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(request=requests)
     def cache_unfinished(self, request: Request) -> None:
-        self.cache.cache_unfinished(request)
+        self.mirror.apply(self.cache.cache_unfinished(request).deltas)
         self._record_insert(request)
 
     @precondition(lambda self: self.live)
@@ -219,8 +281,7 @@ class CacheMachine(RuleBasedStateMachine):
     def finish(self, request: Request) -> None:
         if request.num_draft:  # drafts are always settled by draft_and_verify
             raise AssertionError("unsettled draft")
-        self.cache.finish(request)
-        del self.live[request.id]
+        self._finished(request, self.cache.finish(request).deltas)
         self._record_insert(request)
         p, w = self.config.page_size, self.config.window
         full = request.num_committed // p * p
@@ -233,8 +294,7 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(request=consumes(requests))
     def abort(self, request: Request) -> None:
-        self.cache.abort(request)
-        del self.live[request.id]
+        self._finished(request, self.cache.abort(request).deltas)
 
     @rule(full=st.integers(0, 3), swa=st.integers(0, 3))
     def evict(self, full: int, swa: int) -> None:
@@ -266,6 +326,11 @@ class CacheMachine(RuleBasedStateMachine):
         for request in self.live.values():
             plan = self.cache.read_plan(request)
             self.oracle.check_reads(plan, request.tokens, request.id, request.approximate)
+
+    @invariant()
+    def tables_follow_deltas(self) -> None:
+        for request in self.live.values():
+            self.mirror.check(request)
 
     @invariant()
     def locked_prefixes_stay_matchable(self) -> None:
