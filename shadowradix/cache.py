@@ -268,6 +268,8 @@ class ShadowRadixCache(
         private_s = list(compress(request.swa_pages, request.swa_owned))
         self._full.free(private_v)
         self._swa.free(private_s)
+        if self._tree.events is not None:
+            self._tree.events.freed(private_v, private_s)
         request.swa_pages, request.swa_owned = [], []
         request.vpages.truncate(request.tree_pages)  # O(private pages), not O(prefix)
         request.state = state

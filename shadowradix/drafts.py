@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .allocator import PageAllocator
     from .config import CacheConfig
     from .deltas import TableChanges
+    from .radix_tree import RadixTree
     from .results import StepPlan
 
 
@@ -28,6 +29,7 @@ class DraftVerbs:
         config: CacheConfig
         _full: PageAllocator
         _swa: PageAllocator
+        _tree: RadixTree
 
         def _check_active(self, request: Request) -> None: ...
         def _check_batch(
@@ -97,6 +99,8 @@ class DraftVerbs:
         )
         self._full.give_back(rejected_v)
         request.vpages.truncate(keep_pages)
+        if self._tree.events is not None:
+            self._tree.events.freed(rejected_v, rejected_s)
         request._truncate(end)
         request.num_draft = 0
         if accepted:

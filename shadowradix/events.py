@@ -1,19 +1,30 @@
 """KV events: what entered and left the tree, for KV-transfer and offload connectors and
 cache-aware routers (`ShadowRadixCache(config, kv_events=True)`, then `take_events()`).
 
-Four kinds, each naming virtual page ids (and, where SWA moves, SWA page ids):
+Five kinds, each naming virtual page ids (and, where SWA moves, SWA page ids):
 
 * ``INSERTED``: pages joined the tree (a finished or unfinished request's prefix). Each page
   carries a chained hash of its tokens, ``blake2b(parent_hash || tokens as int64)`` with 8-byte
   digests, chained from the namespace's seed (0 for the default namespace): equal prefixes of
   one namespace hash equally in any process, so a router can compare them across instances.
-  ``swa_pages`` is the live SWA of the inserted pages' suffix.
+  ``parent_hash`` is what the first page chains from (the seed when ``first_page == 0``) and
+  ``token_ids`` the pages' tokens, so a consumer can check and extend the chain without keeping
+  any state (vLLM's ``BlockStored.parent_block_hash`` / ``token_ids``). ``swa_pages`` is the
+  live SWA of the inserted pages' suffix.
 * ``EVICTED``: pages left the tree (full eviction or `reset`); their live SWA went with them.
 * ``TOMBSTONED``: pages kept their compressed KV but lost their SWA (``swa_pages`` freed).
-* ``REVIVED``: tombstoned pages got live SWA again (``swa_pages``), recomputed exactly.
+* ``REVIVED``: tombstoned pages got live SWA again (``swa_pages``), recomputed exactly; like
+  INSERTED it carries ``parent_hash`` and ``token_ids``.
+* ``FREED``: pages private to a request went back to the free lists without ever being in the
+  tree (its duplicates of pages another request inserted first, window pages it moved past,
+  rejected drafts, what `finish` or `abort` released). They have no hash; ``first_page`` is 0.
 
-A node split changes no page, so it emits nothing. Pages private to a request (never inserted)
-emit nothing either: they are the engine's own to track.
+Every kind but FREED carries ``page_hashes``, one per virtual page, so removals name the hashes
+a consumer stored without it keeping a map. Together with FREED the stream accounts for every
+page id that stops being used: a connector writing pages through (offload, a PD sender) learns
+when an id may be reused, instead of guessing from the writes. The page ids a request holds
+(and when they change) are reported by the page-table deltas (`shadowradix.deltas`), not here.
+A node split changes no page, so it emits nothing.
 """
 
 from __future__ import annotations
@@ -41,16 +52,19 @@ class KvEventKind(enum.Enum):
     EVICTED = "evicted"
     TOMBSTONED = "tombstoned"
     REVIVED = "revived"
+    FREED = "freed"
 
 
 @dataclass(frozen=True)
 class KvEvent:
-    """One change of the tree's pages. ``vpages``: the virtual pages concerned, in prefix order
-    (for TOMBSTONED / REVIVED, the pages whose SWA changed); ``swa_pages``: the SWA pages that
-    came or went with them (for INSERTED / EVICTED, those of the suffix of ``vpages`` that is
-    live); ``page_hashes``: INSERTED only, one chained token hash per page; ``first_page``: the
-    position of ``vpages[0]`` in its prefix, in pages; ``approximate``: the pages hold
-    replay-derived state."""
+    """One change of the tree's pages (or, FREED, of private ones). ``vpages``: the virtual pages
+    concerned, in prefix order (for TOMBSTONED / REVIVED, the pages whose SWA changed);
+    ``swa_pages``: the SWA pages that came or went with them (for INSERTED / EVICTED, those of
+    the suffix of ``vpages`` that is live); ``page_hashes``: one chained token hash per page of
+    ``vpages``; ``first_page``: the position of ``vpages[0]`` in its prefix, in pages;
+    ``approximate``: the pages hold replay-derived state; ``parent_hash`` (INSERTED, REVIVED):
+    the hash the first page chains from; ``token_ids`` (INSERTED, REVIVED): the tokens of
+    ``vpages``, ``page_size`` per page."""
 
     kind: KvEventKind
     vpages: tuple[int, ...]
@@ -58,6 +72,8 @@ class KvEvent:
     page_hashes: tuple[int, ...] = ()
     first_page: int = 0
     approximate: bool = False
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 def page_hashes(parent_hash: int, tokens: np.ndarray, page_size: int) -> list[int]:
@@ -82,30 +98,46 @@ class EventLog:
         self._events: list[KvEvent] = []
         self._hash: dict[int, int] = {}  # virtual page -> its chained hash
 
-    def inserted(self, after: int, at_root: bool, tokens: np.ndarray, vpages: np.ndarray,
+    def hash_of(self, vpage: int) -> int:
+        """The chained hash of a page in the tree."""
+        return self._hash[vpage]
+
+    def inserted(self, parent_hash: int, tokens: np.ndarray, vpages: np.ndarray,
                  swa_pages: np.ndarray, first_page: int, approximate: bool) -> None:  # fmt: skip
-        """``after``: the virtual page before the new ones, or (``at_root``) the namespace's
-        seed (`namespace_seed`)."""
-        parent = after if at_root else self._hash[after]
-        hashes = page_hashes(parent, tokens, self.page_size)
+        """``parent_hash``: the hash of the page before the new ones, or the namespace's seed
+        (`namespace_seed`) below a root."""
+        hashes = page_hashes(parent_hash, tokens, self.page_size)
         ids = vpages.tolist()
         self._hash.update(zip(ids, hashes))
         self._events.append(KvEvent(KvEventKind.INSERTED, tuple(ids), tuple(swa_pages.tolist()),
-                                    tuple(hashes), first_page, approximate))  # fmt: skip
+                                    tuple(hashes), first_page, approximate, parent_hash,
+                                    tuple(tokens.tolist())))  # fmt: skip
 
     def evicted(self, vpages: np.ndarray, swa_pages: np.ndarray, first_page: int) -> None:
         ids = vpages.tolist()
-        for v in ids:
-            del self._hash[v]
+        hashes = tuple(self._hash.pop(v) for v in ids)
         self._events.append(
-            KvEvent(KvEventKind.EVICTED, tuple(ids), tuple(swa_pages.tolist()), (), first_page)
+            KvEvent(KvEventKind.EVICTED, tuple(ids), tuple(swa_pages.tolist()), hashes, first_page)
         )
 
-    def swa_changed(self, kind: KvEventKind, vpages: np.ndarray, swa_pages: np.ndarray,
-                    first_page: int) -> None:  # fmt: skip
-        self._events.append(
-            KvEvent(kind, tuple(vpages.tolist()), tuple(swa_pages.tolist()), (), first_page)
-        )
+    def tombstoned(self, vpages: np.ndarray, swa_pages: np.ndarray, first_page: int) -> None:
+        ids = vpages.tolist()
+        hashes = tuple(self._hash[v] for v in ids)
+        self._events.append(KvEvent(KvEventKind.TOMBSTONED, tuple(ids),
+                                    tuple(swa_pages.tolist()), hashes, first_page))  # fmt: skip
+
+    def revived(self, parent_hash: int, tokens: np.ndarray, vpages: np.ndarray,
+                swa_pages: np.ndarray, first_page: int) -> None:  # fmt: skip
+        ids = vpages.tolist()
+        hashes = tuple(self._hash[v] for v in ids)
+        self._events.append(KvEvent(KvEventKind.REVIVED, tuple(ids), tuple(swa_pages.tolist()),
+                                    hashes, first_page, False, parent_hash,
+                                    tuple(tokens.tolist())))  # fmt: skip
+
+    def freed(self, vpages: list[int], swa_pages: list[int]) -> None:
+        """Private pages returned to the free lists (none given: no event)."""
+        if vpages or swa_pages:
+            self._events.append(KvEvent(KvEventKind.FREED, tuple(vpages), tuple(swa_pages)))
 
     def take(self) -> list[KvEvent]:
         out, self._events = self._events, []

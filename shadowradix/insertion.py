@@ -79,6 +79,8 @@ class TreeInsertion:
                 request.swa_owned[i] = False
                 edits.wrote_swa(k, k + 1)
         self._swa.free(freed_s)
+        if self._tree.events is not None:
+            self._tree.events.freed(freed_v, freed_s)
         first = max(lo, base)
         if first < live_abs and (node.approximate or not request.approximate):
             revived = request.swa_pages[first - base : live_abs - base]

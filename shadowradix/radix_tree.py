@@ -11,7 +11,7 @@ from collections.abc import Hashable
 import numpy as np
 
 from .errors import require
-from .events import EventLog, KvEventKind, namespace_seed
+from .events import EventLog, namespace_seed
 from .lru import LruIndex
 from .node import EMPTY, Node
 
@@ -147,8 +147,7 @@ class RadixTree:
         leaf.last_access = self.clock
         leaf.approximate = approximate
         if self.events is not None:
-            after = self._seeds[parent.id] if parent.is_root else int(parent.vpages[-1])
-            self.events.inserted(after, parent.is_root, tokens, vpages, swa_pages,
+            self.events.inserted(self._chain_after(parent), tokens, vpages, swa_pages,
                                  parent.end_page, approximate)  # fmt: skip
         parent.children[key] = leaf
         self.version += 1
@@ -168,7 +167,7 @@ class RadixTree:
         assert not leaf.children and leaf.parent is not None
         assert len(leaf.swa_pages) == 0 or len(swa_pages) == len(vpages)
         if self.events is not None:
-            self.events.inserted(int(leaf.vpages[-1]), False, tokens, vpages, swa_pages,
+            self.events.inserted(self._chain_after(leaf), tokens, vpages, swa_pages,
                                  leaf.end_page, leaf.approximate)  # fmt: skip
         leaf.tokens = np.concatenate((leaf.tokens, tokens))
         leaf.vpages = np.concatenate((leaf.vpages, vpages))
@@ -193,8 +192,7 @@ class RadixTree:
         lf = node.live_from
         freed, node.swa_pages = node.swa_pages[:num_pages], node.swa_pages[num_pages:]
         if self.events is not None:
-            self.events.swa_changed(KvEventKind.TOMBSTONED, node.vpages[lf : lf + len(freed)],
-                                    freed, node.start_page + lf)  # fmt: skip
+            self.events.tombstoned(node.vpages[lf : lf + len(freed)], freed, node.start_page + lf)
         self.version += 1
         self.index.tombstoned(node, len(freed))
         return freed
@@ -204,11 +202,25 @@ class RadixTree:
         assert len(node.swa_pages) + len(swa_pages) <= node.num_pages
         node.swa_pages = np.concatenate((swa_pages, node.swa_pages))
         if self.events is not None:
-            lf = node.live_from
-            self.events.swa_changed(KvEventKind.REVIVED, node.vpages[lf : lf + len(swa_pages)],
-                                    swa_pages, node.start_page + lf)  # fmt: skip
+            lf, p = node.live_from, self.page_size
+            parent_hash = (
+                self.events.hash_of(int(node.vpages[lf - 1]))
+                if lf
+                else self._chain_after(node.parent)
+            )
+            self.events.revived(parent_hash, node.tokens[lf * p : (lf + len(swa_pages)) * p],
+                                node.vpages[lf : lf + len(swa_pages)], swa_pages,
+                                node.start_page + lf)  # fmt: skip
         self.version += 1
         self.index.update(node)
+
+    def _chain_after(self, node: Node | None) -> int:
+        """The hash a page right below ``node`` chains from: its last page's, or its namespace's
+        seed when ``node`` is a root (events are on)."""
+        assert node is not None and self.events is not None
+        if node.is_root:
+            return self._seeds[node.id]
+        return self.events.hash_of(int(node.vpages[-1]))
 
     def nodes(self) -> list[Node]:
         out, stack = [], [c for r in self._roots.values() for c in r.children.values()]

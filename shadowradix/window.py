@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .allocator import PageAllocator
     from .config import CacheConfig
     from .locks import LockTable
+    from .radix_tree import RadixTree
 
 
 class WindowTrim:
@@ -27,6 +28,7 @@ class WindowTrim:
         config: CacheConfig
         _swa: PageAllocator
         _locks: LockTable
+        _tree: RadixTree
 
     def _tree_swa_pages(self, node: Node, first_page: int, end_page: int) -> list[int]:
         """Live tree SWA pages for ``[first_page, end_page)`` along the path ending at ``node``."""
@@ -55,7 +57,10 @@ class WindowTrim:
         drop = new_base - request.swa_base
         if drop <= 0:
             return False
-        self._swa.free(list(compress(request.swa_pages[:drop], request.swa_owned[:drop])))
+        freed = list(compress(request.swa_pages[:drop], request.swa_owned[:drop]))
+        self._swa.free(freed)
+        if freed and self._tree.events is not None:
+            self._tree.events.freed([], freed)
         del request.swa_pages[:drop], request.swa_owned[:drop]
         request.swa_base = new_base
         return True

@@ -19,30 +19,65 @@ CFG = dict(page_size=P, window=8, compress_ratios=(4, 0), overlap_ratios=(4,),
 
 
 class Shadow:
-    """What a connector keeps: virtual page -> token hash, virtual page -> live SWA page."""
+    """What a connector keeps: virtual page -> token hash, virtual page -> live SWA page. It also
+    checks what a stateless consumer relies on: an INSERTED or REVIVED event's hashes follow
+    from its ``parent_hash`` and ``token_ids`` alone, and that parent is the hash of the page
+    before (the seed at a root); removals name the hashes stored; FREED pages are not the
+    tree's."""
 
     def __init__(self) -> None:
         self.hash: dict[int, int] = {}
         self.swa: dict[int, int] = {}
+        self.freed: set[int] = set()  # virtual pages reported FREED
 
-    def apply(self, events) -> None:
+    def _check_chain(self, e, parent_of_first) -> None:
+        assert len(e.token_ids) == len(e.vpages) * P
+        tokens = np.asarray(e.token_ids, dtype=np.int64)
+        assert tuple(page_hashes(e.parent_hash, tokens, P)) == e.page_hashes
+        if e.first_page == 0:
+            assert e.parent_hash == ROOT_HASH
+        elif parent_of_first is not None:
+            assert e.parent_hash == self.hash[parent_of_first]
+
+    def apply(self, events, parents=None) -> None:
+        """``parents``: virtual page -> the page before it, where known (to check the chain)."""
+        parents = parents or {}
         for e in events:
             if e.kind is KvEventKind.INSERTED:
                 assert not set(e.vpages) & set(self.hash), "inserted twice"
+                self._check_chain(e, parents.get(e.vpages[0]))
                 self.hash.update(zip(e.vpages, e.page_hashes))
                 live = e.vpages[len(e.vpages) - len(e.swa_pages) :]
                 self.swa.update(zip(live, e.swa_pages))
             elif e.kind is KvEventKind.EVICTED:
+                assert e.page_hashes == tuple(self.hash[v] for v in e.vpages)
                 for v in e.vpages:
                     del self.hash[v]
                     self.swa.pop(v, None)
             elif e.kind is KvEventKind.TOMBSTONED:
+                assert e.page_hashes == tuple(self.hash[v] for v in e.vpages)
                 for v, s in zip(e.vpages, e.swa_pages, strict=True):
                     assert self.swa.pop(v) == s
-            else:
+            elif e.kind is KvEventKind.REVIVED:
+                assert e.page_hashes == tuple(self.hash[v] for v in e.vpages)
+                self._check_chain(e, parents.get(e.vpages[0]))
                 for v, s in zip(e.vpages, e.swa_pages, strict=True):
                     assert v in self.hash and v not in self.swa
                     self.swa[v] = s
+            else:
+                assert e.kind is KvEventKind.FREED and not e.page_hashes
+                assert not set(e.vpages) & set(self.hash), "a tree page reported FREED"
+                assert not set(e.swa_pages) & set(self.swa.values()), "live SWA reported FREED"
+                self.freed |= set(e.vpages)
+
+
+def _parents(cache):
+    """Virtual page -> the page before it in its prefix, over the whole tree."""
+    out = {}
+    for n in cache._tree.nodes():
+        pages = np.concatenate([m.vpages for m in n.path_from_root()]).tolist()
+        out.update(zip(pages[1:], pages[:-1]))
+    return out
 
 
 def _tree_truth(cache):
@@ -85,7 +120,7 @@ def test_events_replayed_reproduce_the_tree(seed):
             pass
         events = cache.take_events()
         kinds |= {e.kind for e in events}
-        shadow.apply(events)
+        shadow.apply(events, _parents(cache))
         hashes, swa = _tree_truth(cache)
         assert shadow.hash == hashes and shadow.swa == swa
         for r in running:  # a running request's tree pages are all in the shadow
@@ -96,6 +131,7 @@ def test_events_replayed_reproduce_the_tree(seed):
     shadow.apply(cache.take_events())
     assert shadow.hash == {} and shadow.swa == {}
     assert {KvEventKind.INSERTED, KvEventKind.EVICTED, KvEventKind.TOMBSTONED} <= kinds
+    assert KvEventKind.FREED in kinds and shadow.freed
 
 
 def test_equal_prefixes_hash_equally_across_caches():
@@ -137,6 +173,9 @@ def test_recomputing_a_tombstoned_prefix_revives_it():
     cache.extend(r, r.prompt_remaining)
     cache.finish(r)
     events = cache.take_events()
-    assert [e.kind for e in events] == [KvEventKind.REVIVED]
-    shadow.apply(events)
+    # its window pages before the last 8 tokens were freed as it moved on (FREED), then its
+    # duplicates of the tree's pages; the tree's pages got its window copies back
+    kinds = [e.kind for e in events]
+    assert [k for k in kinds if k is not KvEventKind.FREED] == [KvEventKind.REVIVED]
+    shadow.apply(events, _parents(cache))
     assert (shadow.hash, shadow.swa) == _tree_truth(cache) and len(shadow.swa) == 6

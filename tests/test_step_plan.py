@@ -1,17 +1,20 @@
-"""Step plans and page-table deltas (issue #13, build item 1).
+"""Step plans and page-table deltas (issue #13, build item 1) and the FREED events (item 2).
 
 The stateful machines of tests/test_stateful.py keep every live request's tables only by
 applying deltas (`TableMirror`) and compare them after every step; here: the issue's example,
-the plan's reads and their staleness, and the shapes a delta takes.
+the plan's reads, staleness, and a machine that accounts for every page id a consumer sees
+leave use (deltas for request tables, events for the tree and for freed private pages).
 """
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from shadowradix import (
     Allocation,
     CacheConfig,
+    KvEventKind,
     PageTableDelta,
     Pool,
     ShadowRadixCache,
@@ -19,6 +22,7 @@ from shadowradix import (
     StepPlan,
     TableChanges,
 )
+from shadowradix.testing import CacheMachine
 from shadowradix.testing.machines import TableMirror, same_reads
 
 P = 4
@@ -27,7 +31,7 @@ CFG = dict(page_size=P, window=8, compress_ratios=(4,), overlap_ratios=(4,),
 
 
 def _cache(**overrides: object) -> ShadowRadixCache:
-    return ShadowRadixCache(CacheConfig(**{**CFG, **overrides}))
+    return ShadowRadixCache(CacheConfig(**{**CFG, **overrides}), kv_events=True)
 
 
 def test_issue_example_dedup_names_the_changed_entries():
@@ -45,6 +49,7 @@ def test_issue_example_dedup_names_the_changed_entries():
         a.id,
         (PageTableDelta(a.id, Pool.SWA, 8, (), 8, 5),),  # only its window moved on
     )
+    cache.take_events()
     changes = cache.cache_unfinished(b)
     full, swa = changes.deltas
     assert full == PageTableDelta(b.id, Pool.FULL, 0, (0, 1, 2, 3, 4, 5, 6), 8)
@@ -52,7 +57,11 @@ def test_issue_example_dedup_names_the_changed_entries():
     assert swa == PageTableDelta(b.id, Pool.SWA, 5, (5, 6), 8, 5)
     engine.apply(changes.deltas)
     engine.check(b)
-    assert set(range(8, 15)) <= set(cache._full._free)  # the ids b no longer holds
+    # the ids b no longer holds went back to the free lists, and the events say so
+    (freed,) = [e for e in cache.take_events() if e.kind is KvEventKind.FREED]
+    # (the window copies too: a inserted its whole window, since trimmed to pages [5, 8))
+    assert freed.vpages == freed.swa_pages == tuple(range(8, 15))
+    assert set(freed.vpages) <= set(cache._full._free)
 
 
 def test_plan_is_an_allocation_with_reads_and_deltas():
@@ -159,6 +168,107 @@ def test_eviction_never_changes_a_live_request_table():
     assert report.nodes_tombstoned and not report.nodes_removed
     cache.rebalance(swa_capacity=10 * P)
     assert (list(r.vpages), r.swa_base, list(r.swa_pages)) == tables
+
+
+class AccountedCache(ShadowRadixCache):
+    """A cache that, after every call, checks what a connector writing pages through would see
+    (KV events on): the pages in use, derived from nothing but the returned deltas (request
+    tables) and the events (tree pages), are exactly the allocators' pages in use; every id
+    that left use was named by an event that frees it (FREED, EVICTED, or TOMBSTONED for SWA);
+    and no page reported FREED is in use. (`extend` and `extend_draft` go through the batch
+    verbs overridden here.)"""
+
+    def __init__(self, config: CacheConfig) -> None:
+        super().__init__(config, kv_events=True)
+        self.mirror = TableMirror()
+        self.tree_v: set[int] = set()
+        self.tree_s: dict[int, int] = {}  # virtual page -> its live SWA page
+        self.used: tuple[set[int], set[int]] = (set(), set())
+
+    def admit(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        request = super().admit(*args, **kwargs)
+        self.mirror.admitted(request)
+        return self._accounted(request)
+
+    def extend_batch(self, *args):  # type: ignore[no-untyped-def]
+        return self._accounted(super().extend_batch(*args))
+
+    def extend_draft_batch(self, *args):  # type: ignore[no-untyped-def]
+        return self._accounted(super().extend_draft_batch(*args))
+
+    def rollback(self, *args):  # type: ignore[no-untyped-def]
+        return self._accounted(super().rollback(*args))
+
+    def cache_unfinished(self, *args):  # type: ignore[no-untyped-def]
+        return self._accounted(super().cache_unfinished(*args))
+
+    def finish(self, request):  # type: ignore[no-untyped-def]
+        return self._accounted(super().finish(request), request)
+
+    def abort(self, request):  # type: ignore[no-untyped-def]
+        return self._accounted(super().abort(request), request)
+
+    def evict(self, *args):  # type: ignore[no-untyped-def]
+        return self._accounted(super().evict(*args))
+
+    def rebalance(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return self._accounted(super().rebalance(*args, **kwargs))
+
+    def _accounted(self, result, ended=None):  # type: ignore[no-untyped-def]
+        self.mirror.apply(getattr(result, "deltas", ()))
+        if ended is not None:
+            self.mirror.check(ended)
+            del self.mirror.tables[ended.id]
+        freed_v, freed_s, private = self._replay()
+        used_v, used_s = set(self.tree_v), set(self.tree_s.values())
+        for vpages, _, swa in self.mirror.tables.values():
+            used_v |= set(vpages)
+            used_s |= set(swa)
+        for used, alloc in ((used_v, self._full), (used_s, self._swa)):
+            assert used == set(range(alloc.max_pages)) - set(alloc._free), alloc.name
+        assert self.used[0] - used_v <= freed_v, "a virtual page left use unreported"
+        assert self.used[1] - used_s <= freed_s, "an SWA page left use unreported"
+        assert not (private[0] & used_v or private[1] & used_s), "FREED a page in use"
+        self.used = (used_v, used_s)
+        return result
+
+    def _replay(self) -> tuple[set[int], set[int], tuple[set[int], set[int]]]:
+        """Apply the events; the virtual and SWA ids they free, and those FREED."""
+        freed_v, freed_s, private = set(), set(), (set(), set())
+        for e in self.take_events():
+            live = e.vpages[len(e.vpages) - len(e.swa_pages) :]
+            if e.kind is KvEventKind.INSERTED:
+                self.tree_v |= set(e.vpages)
+                self.tree_s.update(zip(live, e.swa_pages))
+            elif e.kind is KvEventKind.REVIVED:
+                self.tree_s.update(zip(e.vpages, e.swa_pages))
+            elif e.kind is KvEventKind.EVICTED:
+                self.tree_v -= set(e.vpages)
+                for v in e.vpages:
+                    self.tree_s.pop(v, None)
+            elif e.kind is KvEventKind.TOMBSTONED:
+                for v in e.vpages:
+                    del self.tree_s[v]
+            else:
+                private[0].update(e.vpages)
+                private[1].update(e.swa_pages)
+            if e.kind is not KvEventKind.INSERTED and e.kind is not KvEventKind.REVIVED:
+                freed_v |= set(e.vpages) if e.kind is not KvEventKind.TOMBSTONED else set()
+                freed_s |= set(e.swa_pages)
+        return freed_v, freed_s, private
+
+
+class EventAccountingMachine(CacheMachine):
+    """`CacheMachine` over an `AccountedCache`: every call's deltas and events are checked."""
+
+    def make_cache(self, config: CacheConfig) -> ShadowRadixCache:
+        return AccountedCache(config)
+
+
+TestEventAccounting = EventAccountingMachine.TestCase
+TestEventAccounting.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+)
 
 
 def test_page_table_delta_apply_covers_every_shape():

@@ -123,11 +123,11 @@ class ShadowRadixKVCacheManager:
         chunk = _span(tokens, kv.length, n)
         if not delay_cache_blocks and kv.num_committed // self._p > kv.tree_pages:
             self.cache.cache_unfinished(kv)  # its previous steps have run: publish them
-            self._drain(kv)
+            self._drain()
         if not self.cache.can_extend([kv], [n]):
             return None
         allocation = self.cache.extend(kv, chunk)
-        self._drain(None)
+        self._drain()
         return self._report(request.request_id, kv, allocation, None)
 
     def _admit(
@@ -162,7 +162,7 @@ class ShadowRadixKVCacheManager:
         hit = computed.blocks if computed is not None else ((), ())
         self._tables[request.request_id] = (list(hit[0]), list(hit[1]))
         self._record(request, match.hit_len)
-        self._drain(None)
+        self._drain()
         return self._report(request.request_id, kv, allocation, kv.replay_allocation)
 
     def free(self, request: Request) -> None:
@@ -177,7 +177,7 @@ class ShadowRadixKVCacheManager:
             self.cache.finish(kv)
         else:
             self.cache.abort(kv)
-        self._drain(kv)
+        self._drain()
 
     # -- tables ------------------------------------------------------------------------------
 
@@ -218,7 +218,6 @@ class ShadowRadixKVCacheManager:
             return False
         if self.enable_kv_cache_events:
             self.cache.take_events()  # the per-page EVICTED events: one AllBlocksCleared instead
-            self._events.clear()
             self._events.events.append(AllBlocksCleared())
         self._stats[0] = True
         return True
@@ -237,9 +236,9 @@ class ShadowRadixKVCacheManager:
         self._stats[base + 1] += request.num_tokens
         self._stats[base + 2] += hits
 
-    def _drain(self, request: CoreRequest | None) -> None:
+    def _drain(self) -> None:
         if self.enable_kv_cache_events:
-            self._events.add(self.cache.take_events(), request)
+            self._events.add(self.cache.take_events())
 
 
 def _tokens_of(request: Request) -> list[int]:
