@@ -27,6 +27,11 @@ class CapacityError(ShadowRadixError):
         self.needed_pages = needed_pages
         self.available_pages = available_pages
 
+    def __reduce__(self) -> tuple[type[CapacityError], tuple[str, int, int]]:
+        """Copies and pickles (a failed request's result keeps its error) rebuild it from its
+        attributes: the constructor takes them, not the message."""
+        return type(self), (self.pool, self.needed_pages, self.available_pages)
+
 
 class LockError(ShadowRadixError):
     """A lock receipt was released twice, or does not belong to this cache."""

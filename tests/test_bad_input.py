@@ -224,3 +224,16 @@ def test_decode_with_numpy_ints_takes_the_fast_path(monkeypatch):
     with pytest.raises(InvalidRequestError, match="token ids"):
         cache.extend_batch([a, b], [[np.int64(-1)], [1]])
     cache.check_invariants()
+
+
+def test_capacity_error_copies_and_pickles() -> None:
+    """A failed request's result keeps its `CapacityError`; results are copied and pickled."""
+    import copy
+    import pickle
+
+    from shadowradix import CapacityError
+
+    err = CapacityError("swa", 3, 1)
+    for twin in (copy.deepcopy(err), pickle.loads(pickle.dumps(err))):
+        assert type(twin) is CapacityError and str(twin) == str(err)
+        assert (twin.pool, twin.needed_pages, twin.available_pages) == ("swa", 3, 1)

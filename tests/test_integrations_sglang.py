@@ -56,7 +56,7 @@ class SGLangLoop:
 
     # -- the engine's side of every call ---------------------------------------------------
 
-    def _run(self, allocation: Allocation, reqs: list[Req]) -> None:
+    def _run(self, allocation: Allocation, reqs: list[Req], replay: bool = False) -> None:
         """Execute a step: write its slots (oracle), record them in req_to_token, check reads."""
         by_id = {r.kv.id: r for r in reqs if r.kv is not None}
         ids = allocation.request_ids
@@ -70,6 +70,10 @@ class SGLangLoop:
             row = np.concatenate([row[:start], slots[offsets[k] : offsets[k + 1]]])
             assert len(row) == end
             self.table[req.rid] = row
+            if replay:  # the window below the match's prefix, rebuilt: `alloc_for_extend` has
+                # already extended the chunk (unwritten yet), so no read plan of this moment is
+                # the replay's; the chunk's own reads (next) cover the rebuilt window
+                continue
             plan = self.tree.cache.read_plan(req.kv, start=start)
             self.oracle.check_reads(plan, req.kv.tokens, req.kv.id, req.kv.approximate)
 
@@ -142,7 +146,7 @@ class SGLangLoop:
             self.table[req.rid] = table
         assert req.lock_result is None, "admission releases the scheduler's lock"
         if req.kv.replay_allocation is not None and start == req.kv.match.prefix_len:
-            self._run(req.kv.replay_allocation, [req])
+            self._run(req.kv.replay_allocation, [req], replay=True)
         self._run(allocation, [req])
         self._check_table(req)
         batch.append(req)
