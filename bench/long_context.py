@@ -232,6 +232,11 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run on a GPU, or --device cpu --model tiny for a smoke run")
         return 2
+    formats = args.kv_format.split(",")  # checked before the weights are built (seconds)
+    if any(f not in ("bf16", "fp8") for f in formats):
+        raise SystemExit(f"--kv-format: bf16, fp8 or bf16,fp8, not {args.kv_format!r}")
+    if args.paths not in ("kernels", "torch", "both"):
+        raise SystemExit(f"--paths: kernels, torch or both, not {args.paths!r}")
     contexts = [int(c) for c in args.contexts.split(",")]
     need = max(contexts) * (2 if args.warm else 1)
     data = corpus(args.file, need + (args.batch + 1) * TAIL)
@@ -242,9 +247,6 @@ def main() -> int:
     out = dict(meta=run_meta(), rows=[])
     print(json.dumps(out["meta"]), flush=True)
     paths = ["kernels", "torch"] if args.paths == "both" else [args.paths]
-    formats = args.kv_format.split(",")
-    if any(f not in ("bf16", "fp8") for f in formats):
-        raise SystemExit(f"--kv-format: bf16, fp8 or bf16,fp8, not {args.kv_format!r}")
     for context in contexts:
         for path in paths:
             for kv_format in formats:

@@ -63,8 +63,10 @@ def test_long_context_bench_compares_formats_side_by_side(
         by[300, "fp8"]["decode_tokens_per_s"] / by[200, "fp8"]["decode_tokens_per_s"]
     )
     assert "fp8_over_bf16" not in by[200, "bf16"]
-    with pytest.raises(SystemExit, match="bf16, fp8"):
+    with pytest.raises(SystemExit, match="bf16, fp8"):  # before any weights are built
         _main(monkeypatch, "--device", "cpu", "--kv-format", "fp4")
+    with pytest.raises(SystemExit, match="kernels, torch or both"):
+        _main(monkeypatch, "--device", "cpu", "--paths", "triton")
 
 
 def test_long_context_bench_warm_prefills_another_prompt_first(
