@@ -59,10 +59,11 @@ def render_long_context(rows: list[dict]) -> str:
 
 def report(data: object) -> str:
     """The table of a trace_replay (a list of rows) or long_context (``rows``) result."""
-    if isinstance(data, dict) and data.get("rows") and "kv_format" in data["rows"][0]:
-        return render_long_context(data["rows"])
-    if isinstance(data, list):
-        return render(data)
+    rows = data.get("rows") if isinstance(data, dict) else data  # older files: the bare rows
+    if isinstance(rows, list) and rows and "kv_format" in rows[0]:
+        return render_long_context(rows)
+    if isinstance(rows, list) and rows and "op_us" in rows[0]:
+        return render(rows)
     raise SystemExit("not a bench/trace_replay.py or bench/long_context.py result")
 
 

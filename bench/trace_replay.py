@@ -25,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.meta import run_meta  # noqa: E402
 from shadowradix import CacheConfig, CapacityError, ShadowRadixCache  # noqa: E402
 
 
@@ -212,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs per configuration (best kept)")
     ap.add_argument("--json", type=Path, help="also write results as JSON")
     args = ap.parse_args(argv)
+    meta = run_meta()  # before the runs: the commit that was imported
     spec = TraceSpec(num_requests=args.requests)
     choices = {"off": [False], "on": [True], "both": [False, True]}
     replays, materials = choices[args.replay], choices[args.materialize]
@@ -232,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(res)
                     print_row(res)
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
+        out = {"meta": meta, "rows": [asdict(r) for r in results]}
+        args.json.write_text(json.dumps(out, indent=2))
     return 0
 
 

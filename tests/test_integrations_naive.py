@@ -151,3 +151,33 @@ def test_an_empty_hit_stays_usable_after_the_cache_changed(cache: PrefixCache[ob
     cache.finish(other)  # the cache changed since the hit
     r = cache.admit([5], hit)
     assert cache.extend(r, [5]) and cache.page_table(r)
+
+
+def test_check_invariants_fires_on_corrupted_state() -> None:
+    """Both implementations of the protocol's checker fire: the naive one on a page both free
+    and in use and on a wrong lock count, the core-backed one through the core's checker."""
+    from shadowradix import InvariantError
+
+    naive = NaivePrefixCache(2, 16)
+    req = naive.admit([1, 2, 3, 4, 5])
+    naive.extend(req, [1, 2, 3, 4, 5])
+    naive.cache_unfinished(req)
+    naive.check_invariants()
+    naive._free.append(req.pages[0])  # a page both free and in use
+    with pytest.raises(InvariantError, match="both free and in use"):
+        naive.check_invariants()
+    naive._free.pop()
+    page = naive._pages[req.pages[0]]
+    page.locks += 1
+    with pytest.raises(InvariantError, match="lock count"):
+        naive.check_invariants()
+    page.locks -= 1
+    naive.check_invariants()
+    config = CacheConfig(page_size=2, window=8, compress_ratios=(0, 4), overlap_ratios=(4,),
+                         full_capacity=32, swa_capacity=32, debug=True)  # fmt: skip
+    core = ShadowRadixCache(config)
+    shim = ShadowRadixPrefixCache(core)
+    shim.check_invariants()
+    core._full._free.append(core._full._free[-1])  # a duplicate free page
+    with pytest.raises(InvariantError):
+        shim.check_invariants()

@@ -168,5 +168,6 @@ class PrefixCache(Protocol[R]):
         ...
 
     def check_invariants(self) -> None:
-        """Raise `InvariantError` if the cache's bookkeeping is inconsistent (a bug)."""
-        ...
+        """Raise `InvariantError` if the cache's bookkeeping is inconsistent (a bug). A protocol
+        signature: `ShadowRadixPrefixCache` and `NaivePrefixCache` implement it
+        (tests/test_integrations_naive.py shows both firing on a corrupted state)."""
