@@ -1,18 +1,10 @@
 """Shadow arithmetic: from virtual / SWA pages to the slots every pool writes or reads.
 
-Compressed shadows are pure arithmetic on the virtual page holding a group's last token::
-
-    slot(group g) = vpage(e) * slots_per_page + (e % page_size) // ratio,   e = (g + 1) * ratio - 1
-
-(``page_size >= ratio``: ``page_size // ratio`` groups end in each page, this is ``e // ratio``
-relative to the page; ``page_size < ratio``: at most one group ends in a page, one slot per page.)
-
-Ring shadows are second-level arithmetic off the SWA page holding a position::
-
-    ring_row(pos) = swa_page(pos) * ring_len + pos % ring_len
-
-so freeing an SWA page invalidates its ring rows with no extra bookkeeping. Everything here is
-vectorised over all tokens of a step; nothing loops per token in Python.
+Compressed shadows are pure arithmetic on the virtual page holding a group's last token, ring
+shadows second-level arithmetic off the SWA page holding a position (so freeing an SWA page
+invalidates its ring rows with no extra bookkeeping). The formulas are `slots`' (shared with the
+graph metadata on the device); this module applies them to a step's page-table slices, vectorised
+over all its tokens: nothing loops per token in Python.
 """
 
 from __future__ import annotations
@@ -20,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
+from types import ModuleType
 
 import numpy as np
 
+from . import slots
 from .config import CacheConfig, StreamSpec
 from .page_table import page_array
 from .results import (
@@ -62,28 +56,23 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.nda
     return starts[owner] + np.arange(total, dtype=I64) - offsets[owner], owner
 
 
-def first_inflight(length: int, stream: StreamSpec) -> int:
-    """First position whose in-flight row the compressor still needs at ``length``."""
-    start = length // stream.ratio * stream.ratio
-    return max(start - stream.ratio if stream.overlap else start, 0)
-
-
-def first_inflight_rows(lengths: np.ndarray, stream: StreamSpec) -> np.ndarray:
-    """`first_inflight` for many lengths at once."""
-    start = lengths // stream.ratio * stream.ratio
-    return np.maximum(start - stream.ratio if stream.overlap else start, 0)
+def first_inflight(
+    length: slots.Ints, stream: StreamSpec, xp: ModuleType | None = None
+) -> slots.Ints:
+    """`slots.first_inflight` of ``stream`` (``xp=np`` for an array of lengths)."""
+    return slots.first_inflight(length, stream.ratio, stream.overlap, xp)
 
 
 def compressed_slots(vslots: np.ndarray, ends: np.ndarray, stream: StreamSpec) -> np.ndarray:
-    """Slots of the groups whose last token sits at ``ends`` (virtual slots ``vslots``).
-
-    Sizes are powers of two, so ``// p`` and ``% p`` are shifts and masks."""
+    """Slots of the groups whose last token sits at ``ends`` (virtual slots ``vslots``)."""
     p = stream.page_size
-    return (vslots >> _log2(p)) * stream.slots_per_page + ((ends & (p - 1)) >> _log2(stream.ratio))
+    return slots.compressed_slot(
+        slots.page_of(vslots, p), ends, p, stream.ratio, stream.slots_per_page
+    )
 
 
 def ring_rows(swa_pages: np.ndarray, positions: np.ndarray, stream: StreamSpec) -> np.ndarray:
-    return swa_pages * stream.ring_len + (positions & (stream.ring_len - 1))
+    return slots.ring_row(swa_pages, positions, stream.ring_len)
 
 
 def _flatten(tables: list[list[int]], first_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -94,10 +83,6 @@ def _flatten(tables: list[list[int]], first_pages: np.ndarray) -> tuple[np.ndarr
     sizes = np.fromiter(map(len, tables), I64, len(tables))
     flat = np.fromiter(chain.from_iterable(tables), I64, int(sizes.sum()))
     return flat, np.cumsum(sizes) - sizes - first_pages
-
-
-def _log2(x: int) -> int:
-    return x.bit_length() - 1
 
 
 @dataclass(frozen=True)
@@ -118,11 +103,10 @@ class Shadows:
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
         self.page_size = config.page_size
-        self._shift = _log2(config.page_size)
+        self._shift = slots.log2(config.page_size)
         # one row per stream, shape (streams, 1) even with none (an SWA-only model)
         self._ring_len_col = np.array([s.ring_len for s in config.streams], dtype=I64)[:, None]
-        self._ring_mask_col = self._ring_len_col - 1
-        self._ratio_mask_col = np.array([s.ratio - 1 for s in config.streams], dtype=I64)[:, None]
+        self._ratio_col = np.array([s.ratio for s in config.streams], dtype=I64)[:, None]
         #: a decode token completes a group of some stream iff ``(pos + 1) & mask == 0``
         self.group_mask = min(config.ratios, default=1 << 62) - 1
 
@@ -169,7 +153,7 @@ class Shadows:
         swa_first = np.fromiter((r.swa_first for r in runs), I64, len(runs))
         sflat, sbase = _flatten([r.swa_pages for r in runs], swa_first)
         page = pos >> self._shift
-        vslots = vflat[vbase[owner] + page] * p + (pos & (p - 1))
+        vslots = slots.page_slot(vflat[vbase[owner] + page], pos, p)
         spages = sflat[sbase[owner] + page]
 
         def swa_page_of(req: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -194,10 +178,10 @@ class Shadows:
             vslots, spages = vtab.copy(), stab[start - run.swa_first :]  # vtab may be read-only
         else:
             page = pos >> shift
-            vslots = vtab[page - (start >> shift)] * p + (pos & (p - 1))
+            vslots = slots.page_slot(vtab[page - (start >> shift)], pos, p)
             spages = stab[page - run.swa_first]
             keep = pos >= np.minimum((page + 1) * p, end) - self._ring_len_col
-        rows = spages * self._ring_len_col + (pos & self._ring_mask_col)
+        rows = slots.ring_row(spages, pos, self._ring_len_col)
         streams = []
         for i, s in enumerate(self.config.streams):
             if keep is None or keep[i].all():
@@ -208,19 +192,19 @@ class Shadows:
             entries = carry = (_EMPTY, _EMPTY, _EMPTY)
             if g1 > g0 and not replay:
                 groups = np.arange(g0, g1, dtype=I64)
-                ends = groups * s.ratio + (s.ratio - 1)
+                ends = slots.group_end(groups, s.ratio)
                 first = first_inflight(start, s)
                 cpos = np.arange(first, start, dtype=I64)
                 if p == 1:  # one slot and one ring row a page: the formulas are the page ids
-                    slots = vslots[ends - start]
+                    entry_slots = vslots[ends - start]
                     crows = stab[cpos - run.swa_first]
                 else:
-                    slots = compressed_slots(vslots[ends - start], ends, s)
+                    entry_slots = compressed_slots(vslots[ends - start], ends, s)
                     crows = ring_rows(stab[(cpos >> shift) - run.swa_first], cpos, s)
-                entries = (np.zeros(g1 - g0, dtype=I64), groups, slots)
+                entries = (np.zeros(g1 - g0, dtype=I64), groups, entry_slots)
                 carry = (np.zeros(start - first, dtype=I64), cpos, crows)
             streams.append(StreamWrites(s.ratio, *ring, *carry, *entries))
-        swa_slots = spages.copy() if p == 1 else spages * p + (pos & (p - 1))
+        swa_slots = spages.copy() if p == 1 else slots.page_slot(spages, pos, p)
         offsets = np.array([0, end - start], dtype=I64)
         return StepArrays(offsets, pos, vslots, swa_slots, tuple(streams))
 
@@ -233,7 +217,7 @@ class Shadows:
     ) -> StepArrays:
         p, n = self.page_size, len(starts)
         pos = np.array(starts, dtype=I64)
-        vslots = np.array(vpages, dtype=I64) * p + (pos & (p - 1))
+        vslots = slots.page_slot(np.array(vpages, dtype=I64), pos, p)
 
         def swa_page_of(req: np.ndarray, positions: np.ndarray) -> np.ndarray:
             reqs = np.unique(req)
@@ -257,9 +241,9 @@ class Shadows:
     def _assemble(self, step: _Step, keep: np.ndarray | None, replay: bool) -> StepArrays:
         """Per-stream writes, computed for all streams at once (one row per stream)."""
         pos, owner = step.pos, step.owner
-        rows = step.spages * self._ring_len_col + (pos & self._ring_mask_col)
+        rows = slots.ring_row(step.spages, pos, self._ring_len_col)
         # A replay rebuilds window state only: it never rewrites compressed KV.
-        done = None if replay else ((pos + 1) & self._ratio_mask_col) == 0
+        done = None if replay else slots.completes_group(pos, self._ratio_col)
         streams = []
         for i, s in enumerate(self.config.streams):
             if keep is None or keep[i].all():
@@ -271,14 +255,14 @@ class Shadows:
                 ends = pos[idx]
                 entries = (
                     owner[idx],
-                    (ends + 1) // s.ratio - 1,
+                    slots.group_of(ends, s.ratio),
                     compressed_slots(step.vslots[idx], ends, s),
                 )
                 carry = self._carry(s, step)
             else:
                 entries = carry = (_EMPTY, _EMPTY, _EMPTY)
             streams.append(StreamWrites(s.ratio, *ring, *carry, *entries))
-        swa_slots = step.spages * self.page_size + (pos & (self.page_size - 1))
+        swa_slots = slots.page_slot(step.spages, pos, self.page_size)
         return StepArrays(step.offsets, pos, step.vslots, swa_slots, tuple(streams))
 
     @staticmethod
@@ -286,7 +270,7 @@ class Shadows:
         """In-flight rows from before each run that its completing groups read."""
         reqs = np.flatnonzero(step.ends // s.ratio > step.starts // s.ratio)
         starts = step.starts[reqs]
-        first = first_inflight_rows(starts, s)
+        first = first_inflight(starts, s, np)
         carry_pos, local = _ranges(first, starts - first)
         carry_req = reqs[local]
         return carry_req, carry_pos, ring_rows(step.swa_page_of(carry_req, carry_pos), carry_pos, s)
@@ -301,15 +285,18 @@ class Shadows:
         replay_start: int | None,
     ) -> ReadPlan:
         p, w = self.page_size, self.config.window
-        swa_pos = np.arange(max(0, window_end - w), length, dtype=I64)
+        first = slots.clamp_low(slots.window_first(window_end, w))
+        swa_pos = np.arange(first, length, dtype=I64)
         stable = np.asarray(swa_pages, dtype=I64)
-        swa_slots = stable[swa_pos // p - swa_first] * p + swa_pos % p
+        swa_slots = slots.page_slot(stable[(swa_pos >> self._shift) - swa_first], swa_pos, p)
         vtable = np.asarray(vpages, dtype=I64)
         streams = []
         for s in self.config.streams:
-            ends = np.arange(1, length // s.ratio + 1, dtype=I64) * s.ratio - 1
-            slots = compressed_slots(vtable[ends // p] * p + ends % p, ends, s)
+            ends = slots.group_end(np.arange(length // s.ratio, dtype=I64), s.ratio)
+            entry_slots = slots.compressed_slot(
+                vtable[ends >> self._shift], ends, p, s.ratio, s.slots_per_page
+            )
             inflight = np.arange(first_inflight(length, s), length, dtype=I64)
-            rows = ring_rows(stable[inflight // p - swa_first], inflight, s)
-            streams.append(StreamReads(s.ratio, slots, inflight, rows))
+            rows = ring_rows(stable[(inflight >> self._shift) - swa_first], inflight, s)
+            streams.append(StreamReads(s.ratio, entry_slots, inflight, rows))
         return ReadPlan(length, swa_pos, swa_slots, tuple(streams), replay_start)

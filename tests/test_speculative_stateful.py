@@ -52,7 +52,7 @@ from adapters.runner import GenerationResult, Runner
 from adapters.sampling import SamplingParams
 from adapters.speculative import DraftBatch, MTPDraft, OracleDraft
 from adapters.weights import init_weights
-from shadowradix.shadows import compressed_slots
+from shadowradix.slots import compressed_slot
 from shadowradix.testing import canonical_snapshot
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
@@ -156,11 +156,10 @@ def live_state(runner: Runner) -> dict[tuple, torch.Tensor]:
         for s in cc.streams:
             ends = np.arange(node.start_page * p, node.end_page * p)
             ends = ends[(ends + 1) % s.ratio == 0]
-            vslots = node.vpages[ends // p - node.start_page] * p + ends % p
+            vpages = node.vpages[ends // p - node.start_page]
+            entry_slots = compressed_slot(vpages, ends, p, s.ratio, s.slots_per_page)
             for i in layers[s.ratio]:
-                out[("node entries", rank, i)] = _entries(
-                    pools, i, compressed_slots(vslots, ends, s)
-                )
+                out[("node entries", rank, i)] = _entries(pools, i, entry_slots)
                 rows = (node.swa_pages[:, None] * s.ring_len + np.arange(s.ring_len)).ravel()
                 out[("node rows", rank, i)] = _rows(pools, i, rows)
         slots = (node.swa_pages[:, None] * p + np.arange(p)).ravel()
