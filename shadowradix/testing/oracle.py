@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from .. import slots
 from ..config import CacheConfig
 from ..results import Allocation, ReadPlan, StreamWrites
 
@@ -104,7 +105,7 @@ class FingerprintOracle:
             s.entry_request.tolist(), s.entry_groups.tolist(), s.entry_slots.tolist()
         ):
             self.entries[r][slot] = Fingerprint(
-                hashes[rids[req]][(g + 1) * r - 1], approx[rids[req]]
+                hashes[rids[req]][slots.group_end(g, r)], approx[rids[req]]
             )
 
     def _check_group_inputs(self, s, allocation: Allocation) -> None:
@@ -117,8 +118,8 @@ class FingerprintOracle:
         offsets = allocation.token_offsets
         for req, g in zip(s.entry_request.tolist(), s.entry_groups.tolist()):
             first_new = int(allocation.positions[offsets[req]])
-            lo = max(0, (g - 1) * r if stream.overlap else g * r)
-            needed = set(range(lo, min(first_new, (g + 1) * r)))
+            lo = slots.clamp_low(slots.group_first(g, r, stream.overlap))
+            needed = set(range(lo, min(first_new, slots.group_end(g, r) + 1)))
             if not needed <= carried.get(req, set()):
                 raise OracleViolation(
                     f"C{r} group {g}: in-flight rows {sorted(needed)} not carried in"
@@ -143,7 +144,7 @@ class FingerprintOracle:
             r = s.ratio
             for g, slot in enumerate(s.entry_slots.tolist()):
                 self._expect(
-                    self.entries[r].get(slot), h[(g + 1) * r - 1], rid, ok, f"C{r} entry {g}"
+                    self.entries[r].get(slot), h[slots.group_end(g, r)], rid, ok, f"C{r} entry {g}"
                 )
             for pos, row in zip(s.inflight_positions.tolist(), s.inflight_rows.tolist()):
                 self._expect(self.rings[r].get(row), h[pos], rid, ok, f"C{r} ring row {row}")
