@@ -38,7 +38,7 @@ class Decode(Admission, Forward, Emission):
         if self.decoder is None:
             logits = self._forward(seqs, chunks, alloc, list(range(len(seqs))))
         else:
-            logits = self._graph_forward(seqs, [c[0] for c in chunks])
+            logits = self._graph_forward(seqs, [c[0] for c in chunks], alloc.deltas)
         self.stats.decode_tokens += len(seqs)
         return self._emit_all(seqs, logits)
 
@@ -56,10 +56,10 @@ class Decode(Admission, Forward, Emission):
                 pages_left -= need
         return chosen
 
-    def _graph_forward(self, seqs: list[_Seq], tokens: list[int]) -> torch.Tensor:
+    def _graph_forward(self, seqs: list[_Seq], tokens: list[int], deltas) -> torch.Tensor:
         assert self.decoder is not None
         t0 = time.perf_counter()
-        logits = self.decoder.step([s.req for s in seqs], tokens)
+        logits = self.decoder.step([s.req for s in seqs], tokens, deltas)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats.forward_s += time.perf_counter() - t0

@@ -3,199 +3,93 @@
 The only per-step inputs are raw state in fixed device buffers: each slot's new token, its
 length, and two page tables (virtual pages, and SWA pages indexed by absolute page). Every slot
 number the step needs (the new SWA slot, the window, ring rows, the carried rows of a completing
-group, its compressed slot, every complete entry) is the core's shadow arithmetic, re-expressed
-as tensor ops, so the whole step can be captured once in a CUDA graph and replayed. Writes of
-padding slots and of groups that do not complete go to each pool's sentinel row.
+group, its compressed slot, every complete entry) is the core's slot arithmetic
+(`shadowradix.slots`) over torch, in `graph_meta.step_metadata`: a decode step is the one-token
+case of a verify step. So the whole step can be captured once in a CUDA graph and replayed.
+Writes of padding slots and of groups that do not complete go to each pool's sentinel row.
 
-The host keeps the device tables current incrementally: decode only appends pages, so a step
-uploads the few new page ids, not the tables.
+The device tables follow the core's page-table deltas (`block_tables.DeviceTables`): a step
+passes the deltas of its extend (and of every other call that changed its requests' tables
+since the last step); a request new to its row is written whole, once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from shadowradix import CacheConfig
+from shadowradix import CacheConfig, PageTableDelta
 from shadowradix.request import Request
 
 from . import kernels, ops
+from .block_tables import DeviceTables
 from .buckets import context_bucket, power_bucket
+from .graph_meta import StepMeta, StreamMeta, step_metadata
 from .kernels import PoolRows
 from .model import LayerInput, compress_rows, forward
 from .pools import KVPools
 from .weights import ModelWeights
 
-
-@dataclass(frozen=True)
-class StreamMeta:
-    ring_new: torch.Tensor  # (B,) ring row of the new token (sentinel for padding)
-    group_rows: torch.Tensor  # (B, R) ring rows of the group completing at the token
-    group_src: torch.Tensor  # (B, R) 0 = ring row, 1 = the new token, 2 = padding
-    group: torch.Tensor  # (B,)
-    entry_slot: torch.Tensor  # (B,) where the completed entry goes (sentinel if none)
-    read_pages: torch.Tensor | None  # (B, G / spp) virtual pages, when page_size >= ratio
-    read_slots: torch.Tensor | None  # (B, G) every entry slot, when page_size < ratio
-    lengths: torch.Tensor  # (B,) complete entries (a prefix of the G columns; 0 for padding)
-    width: int  # G: the entry columns of the bucket's context
-    slots_per_page: int
-
-    def rows(self, qrow: torch.Tensor | None = None) -> PoolRows:
-        """Every visible entry of each query row's request, read in place through the page
-        table (``page_size >= ratio``) or the slot table; ``qrow``: the batch row of each
-        query row (None: one query per batch row)."""
-        return PoolRows.of_tables(
-            self.read_pages, self.read_slots, self.lengths, self.width, self.slots_per_page, qrow
-        )
-
-
-@dataclass(frozen=True)
-class DecodeMeta:
-    positions: torch.Tensor
-    swa_new: torch.Tensor
-    window_slots: torch.Tensor
-    window_mask: torch.Tensor
-    streams: dict[int, StreamMeta]
-    late_window_mask: torch.Tensor | None = None  # tail-only: layers after the last KV source
+#: a decode step's input tokens: on the host, or on the device (overlap scheduling)
+Tokens = list[int] | torch.Tensor
 
 
 class DecodeBuffers:
-    """Fixed device buffers of raw batch state for ``max_batch`` slots."""
+    """Fixed device buffers of raw batch state for ``max_batch`` slots (`graph_meta.StepState`
+    with one token per request)."""
+
+    num_tokens = 1
 
     def __init__(self, cache: CacheConfig, max_batch: int, max_context: int, device) -> None:
         pages = -(-max_context // cache.page_size) + 1
-        z = {"device": device, "dtype": torch.long}
-        self.tokens = torch.zeros(max_batch, **z)
-        self.lengths = torch.ones(max_batch, **z)  # length after the new token (position + 1)
+        self.tokens = torch.zeros(max_batch, device=device, dtype=torch.long)
+        # length after the new token (position + 1)
+        self.lengths = torch.ones(max_batch, device=device, dtype=torch.long)
         self.valid = torch.zeros(max_batch, device=device, dtype=torch.bool)
-        self.vtable = torch.zeros(max_batch, pages, **z)
-        self.stable = torch.zeros(max_batch, pages, **z)
+        self.tables = DeviceTables(max_batch, pages, device)
+        self.vtable, self.stable = self.tables.vtable, self.tables.stable
         self.max_batch, self.max_context, self.page_size = max_batch, max_context, cache.page_size
-        self._uploaded: list[tuple[int, int, int]] = [(-1, 0, 0)] * max_batch  # (req, vp, sp)
 
-    def load(self, requests: list[Request], tokens: list[int]) -> None:
-        """Copies the batch's raw state in: tokens, lengths and the page ids added since the
-        last step (whole rows when a slot changed request)."""
+    def load(
+        self, requests: list[Request], tokens: Tokens, deltas: Iterable[PageTableDelta]
+    ) -> None:
+        """Copies the batch's raw state in: tokens, lengths, and the page tables updated by
+        ``deltas`` (every delta of these requests since the last load, in order; see
+        `DeviceTables`). Raises ValueError past the buffers, `TableSyncError` on a missed
+        delta."""
         b = len(requests)
         if b > self.max_batch:
             raise ValueError(f"batch {b} exceeds the decode buffers ({self.max_batch})")
-        rows: list[int] = []
-        cols: list[int] = []
-        vvals: list[int] = []
-        srows: list[int] = []
-        scols: list[int] = []
-        svals: list[int] = []
-        for i, r in enumerate(requests):
+        for r in requests:
             if r.length > self.max_context:
                 raise ValueError(f"request length {r.length} exceeds max_context")
-            rid, vdone, sdone = self._uploaded[i]
-            if rid != r.id:
-                vdone, sdone = 0, r.swa_base
-            vp = r.vpages
-            rows += [i] * (len(vp) - vdone)
-            cols += range(vdone, len(vp))
-            vvals += vp[vdone:]
-            top = r.swa_base + len(r.swa_pages)
-            lo = max(sdone, r.swa_base)
-            srows += [i] * (top - lo)
-            scols += range(lo, top)
-            svals += r.swa_pages[lo - r.swa_base :]
-            self._uploaded[i] = (r.id, len(vp), top)
-        dev = self.tokens.device
+        self.tables.apply(deltas)
+        self.tables.place(requests)
         head = np.array(
             [
-                tokens + [0] * (self.max_batch - b),
+                (tokens if isinstance(tokens, list) else [0] * b) + [0] * (self.max_batch - b),
                 [r.length for r in requests] + [1] * (self.max_batch - b),
                 [1] * b + [0] * (self.max_batch - b),
             ],
             dtype=np.int64,
         )
-        head_t = torch.from_numpy(head).to(dev, non_blocking=True)
+        head_t = torch.from_numpy(head).to(self.tokens.device, non_blocking=True)
         self.tokens.copy_(head_t[0])
+        if isinstance(tokens, torch.Tensor):  # overlap: the previous step's, on the device
+            self.tokens[:b].copy_(tokens)
         self.lengths.copy_(head_t[1])
         self.valid.copy_(head_t[2].bool())
-        if rows:
-            idx = torch.from_numpy(np.array([rows, cols, vvals], dtype=np.int64)).to(dev)
-            self.vtable[idx[0], idx[1]] = idx[2]
-        if srows:
-            idx = torch.from_numpy(np.array([srows, scols, svals], dtype=np.int64)).to(dev)
-            self.stable[idx[0], idx[1]] = idx[2]
-
-
-def _page_lookup(table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-    """``table[b, pos // P]`` for ``positions`` of shape ``(B, ...)``."""
-    flat = positions.reshape(positions.shape[0], -1) // page_size
-    return torch.gather(table, 1, flat).view(positions.shape)
-
-
-def decode_metadata(
-    cache: CacheConfig, pools: KVPools, buf: DecodeBuffers, context: int
-) -> DecodeMeta:
-    """Every slot of the step from raw batch state (tensor ops only: capturable).
-    ``context``: the bucket's maximum length, which fixes the entry columns."""
-    p, w = cache.page_size, cache.window
-    t = buf.lengths - 1
-    valid = buf.valid
-    dev = t.device
-    swa_sentinel = pools.sentinel(pools.swa[0])
-    page_s = _page_lookup(buf.stable, t[:, None], p)[:, 0]
-    swa_new = torch.where(valid, page_s * p + t % p, swa_sentinel)
-    wpos = t[:, None] - (w - 1) + torch.arange(w, device=dev)[None, :]
-    wmask = (wpos >= 0) & valid[:, None]
-    wpos = wpos.clamp(min=0)
-    window_slots = _page_lookup(buf.stable, wpos, p) * p + wpos % p
-    streams = {}
-    for s in cache.streams:
-        r, ring_len = s.ratio, s.ring_len
-        # the first layer of a ratio is a KV source (ModelConfig validates it): it owns pools
-        any_layer = next(i for i, x in enumerate(cache.compress_ratios) if x == r)
-        ring_sentinel = pools.sentinel(pools.ring[any_layer])
-        comp_sentinel = pools.sentinel(pools.compressed[any_layer])
-        ring_new = torch.where(valid, page_s * ring_len + t % ring_len, ring_sentinel)
-        complete = ((t + 1) % r == 0) & valid
-        group = ((t + 1) // r - 1).clamp(min=0)
-        width = 2 * r if s.overlap else r
-        rpos = (group * r - (r if s.overlap else 0))[:, None] + torch.arange(width, device=dev)
-        src = torch.where(rpos < 0, 2, torch.where(rpos == t[:, None], 1, 0))
-        rpos_c = rpos.clamp(min=0)
-        group_rows = _page_lookup(buf.stable, rpos_c, p) * ring_len + rpos_c % ring_len
-        entry_slot = _page_lookup(buf.vtable, t[:, None], p)[:, 0] * s.slots_per_page + (t % p) // r
-        entry_slot = torch.where(complete, entry_slot, comp_sentinel)
-        read_pages = read_slots = None
-        if p >= r:
-            npages = -(-context // p)
-            read_pages = buf.vtable[:, :npages]
-            columns = npages * s.slots_per_page
-        else:
-            columns = max(1, context // r)
-            g = torch.arange(columns, device=dev)
-            ends_b = ((g + 1) * r - 1)[None, :].expand(t.shape[0], -1)
-            read_slots = _page_lookup(buf.vtable, ends_b, p) * s.slots_per_page
-        # no (B, G) mask: the visible entries are a prefix of each row, counted directly
-        lengths = torch.where(valid, ((t + 1) // r).clamp(max=columns), 0)
-        streams[r] = StreamMeta(
-            ring_new,
-            group_rows,
-            src,
-            group,
-            entry_slot,
-            read_pages,
-            read_slots,
-            lengths,
-            columns,
-            s.slots_per_page,
-        )
-    return DecodeMeta(t, swa_new, window_slots, wmask, streams)
 
 
 class GraphKeys:
-    """`KeySource` of one decode step over `DecodeMeta`. V4.1 sharing as in `PagedKeys`:
+    """`KeySource` of one decode step over `graph_meta.StepMeta`. V4.1 sharing as in `PagedKeys`:
     KV-source layers compress, consumers read their source's pools; index sources publish
     their selection, other C4 layers reuse it."""
 
-    def __init__(self, weights: ModelWeights, pools: KVPools, meta: DecodeMeta) -> None:
+    def __init__(self, weights: ModelWeights, pools: KVPools, meta: StepMeta) -> None:
         self.cfg, self.pools, self.meta = weights.config, pools, meta
         self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -287,22 +181,25 @@ class GraphKeys:
         self.selection[i] = (rows.slots_of(chosen), torch.isfinite(values))
         return self.selection[i]
 
-    # -- the layout of a step's rows: one per request here; `VerifyKeys` has T per request --
+    # -- the layout of a step's rows: one per request (decode) or T per request (verify) --
 
     def _qrow(self) -> torch.Tensor | None:
         """The batch row of each query row (None: one query per batch row)."""
-        return None
+        return self.meta.row_batch
 
-    def _new_group_rows(self, rows: torch.Tensor, sm) -> torch.Tensor:
-        """This step's compressor rows as the ``group_src == 1`` rows of each group."""
-        return rows[:, None, :]
+    def _new_group_rows(self, rows: torch.Tensor, sm: StreamMeta) -> torch.Tensor:
+        """This step's compressor rows as the ``group_src == 1`` rows of each group (decode:
+        the row's own, broadcast; verify: gathered from the step's rows)."""
+        return rows[:, None, :] if sm.group_new is None else rows[sm.group_new]
 
-    def _own_ring_rows(self, sm) -> torch.Tensor:
+    def _own_ring_rows(self, sm: StreamMeta) -> torch.Tensor:
         """Ring rows of the ``group_src == 1`` rows of each group (after this step's store)."""
-        return sm.ring_new[:, None].expand_as(sm.group_rows)
+        if sm.group_new is None:
+            return sm.ring_new[:, None].expand_as(sm.group_rows)
+        return sm.ring_new[sm.group_new]
 
 
-def _with_late_mask(meta, pools: KVPools):
+def _with_late_mask(meta: StepMeta, pools: KVPools) -> StepMeta:
     """``meta`` (a decode or verify step's) with the window mask of the layers after the last KV
     source, when tail-only prefill left holes in their SWA; marks the step's own slots held."""
     valid = pools.late_swa_valid
@@ -334,15 +231,18 @@ class GraphDecoder:
 
     @torch.no_grad()
     def _run(self, batch: int, context: int) -> torch.Tensor:
-        meta = decode_metadata(self.cache, self.pools, self.buffers, context)
-        meta = _with_late_mask(_slice_batch(meta, batch), self.pools)
+        meta = step_metadata(self.cache, self.pools, self.buffers, batch, context)
+        meta = _with_late_mask(meta, self.pools)
         keys = GraphKeys(self.weights, self.pools, meta)
         return forward(self.weights, self.buffers.tokens[:batch], meta.positions, keys)
 
-    def step(self, requests: list[Request], tokens: list[int]) -> torch.Tensor:
+    def step(
+        self, requests: list[Request], tokens: Tokens, deltas: Iterable[PageTableDelta]
+    ) -> torch.Tensor:
         """Logits ``(len(requests), V)`` of one decode step; the requests were just extended
-        by ``tokens`` (one each)."""
-        self.buffers.load(requests, tokens)
+        by ``tokens`` (one each). ``deltas``: the step plan's, after any other table changes
+        of these requests since the last step (`DecodeBuffers.load`)."""
+        self.buffers.load(requests, tokens, deltas)
         longest = max(r.length for r in requests)
         context = context_bucket(longest, self.min_context_bucket, self.buffers.max_context)
         batch = min(power_bucket(len(requests), 1), self.buffers.max_batch)
@@ -378,20 +278,3 @@ class GraphDecoder:
             out = self._run(batch, context)
         self.buffers.valid.copy_(saved[0])
         return graph, out
-
-
-def _slice_batch(meta: DecodeMeta, b: int) -> DecodeMeta:
-    def cut(x):
-        return x[:b] if isinstance(x, torch.Tensor) else x
-
-    streams = {
-        r: StreamMeta(*(cut(getattr(s, f)) for f in StreamMeta.__dataclass_fields__))
-        for r, s in meta.streams.items()
-    }
-    return DecodeMeta(
-        meta.positions[:b],
-        meta.swa_new[:b],
-        meta.window_slots[:b],
-        meta.window_mask[:b],
-        streams,
-    )

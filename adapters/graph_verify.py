@@ -1,17 +1,9 @@
 """Speculative verify steps with metadata computed on the device: `GraphDecoder` for T tokens.
 
 A verify step runs ``T = k + 1`` tokens per request (the pending token and k drafts, extended
-with ``extend_draft_batch``) at positions ``[length - T, length)``. Every slot is the core's
-shadow arithmetic on the raw batch state of `DecodeBuffers` (page tables, lengths), as in
-`graph_decode`, now per row ``(b, j)``:
-
-```
-SWA slot / window / ring row of t    as in decode, for each of the T positions
-group completing at t                its rows [g·r − r·overlap, t]: positions >= length − T
-                                     are this step's rows, earlier ones carried from the ring
-entries                              every row sees entries g < (t + 1) // r, its own step's
-                                     included (written before any row reads)
-```
+with ``extend_draft_batch``) at positions ``[length - T, length)``. Every slot comes from
+`graph_meta.step_metadata` on the raw batch state of `DecodeBuffers`, the same builder as a
+decode step's (which is its ``T = 1`` case), now per row ``(b, j)``.
 
 Carried rows are gathered before the step stores its rows. A request's T positions never share
 a ring row (``T <= max_draft_len``), and no stored row overwrites a carried one: a new position
@@ -20,29 +12,24 @@ indexer scores each request's entries once for its T queries. With the MTP layer
 stores the MTP state of its rows (`mtp.write_state`). On CUDA each (batch, context) bucket is
 captured once as a CUDA graph; on the CPU the same code runs eagerly.
 
-Rejected drafts leave stale page ids beyond a request's committed pages in the device tables:
-`VerifyBuffers.load_block` re-uploads from the first page a draft could have allocated.
+Rejected drafts leave page ids beyond a request's committed pages that went back to the
+allocator: the `rollback` deltas cut the rows' extents and the next extend's deltas write the
+pages it allocates there (`block_tables.DeviceTables`); nothing is re-uploaded.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import torch
 
-from shadowradix import CacheConfig
+from shadowradix import CacheConfig, PageTableDelta
 from shadowradix.request import Request
 
 from . import ops
 from .buckets import context_bucket, power_bucket
-from .graph_decode import (
-    DecodeBuffers,
-    GraphDecoder,
-    GraphKeys,
-    _page_lookup,
-    _with_late_mask,
-)
-from .kernels import PoolRows
+from .graph_decode import DecodeBuffers, GraphDecoder, GraphKeys, _with_late_mask
+from .graph_meta import StepMeta, step_metadata
 from .model import final_hidden, head_logits
 from .mtp import write_state
 from .pools import KVPools
@@ -64,161 +51,29 @@ class VerifyBuffers(DecodeBuffers):
         )
 
     def load_block(
-        self, requests: list[Request], chunks: list[list[int]], prev_hidden: torch.Tensor | None
+        self,
+        requests: list[Request],
+        chunks: list[list[int]],
+        prev_hidden: torch.Tensor | None,
+        deltas: Iterable[PageTableDelta],
     ) -> None:
         """Raw state of a verify step: ``requests`` were just extended by ``chunks`` (T tokens
-        each). Pages from the first one this step's draft could have allocated are uploaded
-        again: a rejected draft's pages went back to the allocator, and its page ids may have
-        changed since."""
-        p, t = self.page_size, self.num_tokens
-        for i, r in enumerate(requests):
-            rid, vdone, sdone = self._uploaded[i]
-            if rid == r.id:
-                first_draft_page = -(-(r.length - t) // p)
-                self._uploaded[i] = (
-                    rid,
-                    min(vdone, first_draft_page),
-                    min(sdone, first_draft_page),
-                )
-        super().load(requests, [c[0] for c in chunks])
+        each); ``deltas`` as in `DecodeBuffers.load` (the last step's rollbacks, then this
+        step's extend)."""
+        super().load(requests, [c[0] for c in chunks], deltas)
         b = len(requests)
         self.block[:b] = torch.tensor(chunks, dtype=torch.long).to(self.block.device)
         if prev_hidden is not None:
             self.prev_hidden[:b] = prev_hidden.to(self.prev_hidden.dtype)
 
 
-@dataclass(frozen=True)
-class VerifyStreamMeta:
-    ring_new: torch.Tensor  # (N,) ring row of each row's token (sentinel for padding)
-    group_rows: torch.Tensor  # (N, R) ring rows of the group completing at the row
-    group_src: torch.Tensor  # (N, R) 0 = ring row, 1 = this step's row, 2 = padding
-    group_new: torch.Tensor  # (N, R) the step row of each src-1 position
-    group: torch.Tensor  # (N,)
-    entry_slot: torch.Tensor  # (N,) where the completed entry goes (sentinel if none)
-    read_pages: torch.Tensor | None  # (B, G / spp) virtual pages, when page_size >= ratio
-    read_slots: torch.Tensor | None  # (B, G) every entry slot, when page_size < ratio
-    lengths: torch.Tensor  # (N,) complete entries of each query row (a prefix of G columns)
-    width: int  # G
-    slots_per_page: int
-
-    def rows(self, qrow: torch.Tensor | None = None) -> PoolRows:
-        """Every visible entry of each query row (see `StreamMeta.rows`)."""
-        return PoolRows.of_tables(
-            self.read_pages, self.read_slots, self.lengths, self.width, self.slots_per_page, qrow
-        )
-
-
-@dataclass(frozen=True)
-class VerifyMeta:
-    positions: torch.Tensor  # (N,) N = B * T, request-major
-    row_batch: torch.Tensor  # (N,)
-    swa_new: torch.Tensor
-    window_slots: torch.Tensor  # (N, W)
-    window_mask: torch.Tensor
-    page_rows: torch.Tensor  # (N,) page_hidden row (MTP) of page-ending rows, else sentinel
-    streams: dict[int, VerifyStreamMeta]
-    late_window_mask: torch.Tensor | None = None  # tail-only: layers after the last KV source
-
-
-def verify_metadata(
-    cache: CacheConfig, pools: KVPools, buf: VerifyBuffers, batch: int, context: int
-) -> VerifyMeta:
-    """Every slot of a verify step over the first ``batch`` slots (tensor ops only)."""
-    p, w, t_len = cache.page_size, cache.window, buf.num_tokens
-    valid = buf.valid[:batch, None].expand(-1, t_len)
-    dev = valid.device
-    start = buf.lengths[:batch] - t_len
-    # (B, T); padding slots (length 1) would start below 0: clamped, their writes are sentinels
-    pos = (start[:, None] + torch.arange(t_len, device=dev)[None, :]).clamp(min=0)
-    stable = buf.stable[:batch]
-    page_s = _page_lookup(stable, pos, p)
-    swa_new = torch.where(valid, page_s * p + pos % p, pools.sentinel(pools.swa[0]))
-    wpos = pos[:, :, None] - (w - 1) + torch.arange(w, device=dev)
-    wmask = (wpos >= 0) & valid[:, :, None]
-    wpos = wpos.clamp(min=0)
-    window_slots = _page_lookup(stable, wpos, p) * p + wpos % p
-    page_rows = swa_new.new_zeros(swa_new.shape)
-    if pools.page_hidden is not None:
-        ends = valid & ((pos + 1) % p == 0)
-        page_rows = torch.where(ends, page_s, pools.sentinel(pools.page_hidden))
-    row_batch = torch.arange(batch * t_len, device=dev) // t_len
-    streams = {}
-    for s in cache.streams:
-        streams[s.ratio] = _stream_meta(cache, pools, s, buf, batch, context, pos, valid, page_s)
-    n = batch * t_len
-    return VerifyMeta(
-        pos.reshape(n),
-        row_batch,
-        swa_new.reshape(n),
-        window_slots.reshape(n, w),
-        wmask.reshape(n, w),
-        page_rows.reshape(n),
-        streams,
-    )
-
-
-def _stream_meta(cache, pools, s, buf, batch, context, pos, valid, page_s) -> VerifyStreamMeta:
-    p, r, ring_len, t_len = cache.page_size, s.ratio, s.ring_len, buf.num_tokens
-    layer = next(i for i, x in enumerate(cache.compress_ratios) if x == r)
-    dev, n = pos.device, batch * t_len
-    stable, vtable = buf.stable[:batch], buf.vtable[:batch]
-    ring_new = torch.where(
-        valid, page_s * ring_len + pos % ring_len, pools.sentinel(pools.ring[layer])
-    )
-    complete = ((pos + 1) % r == 0) & valid
-    group = ((pos + 1) // r - 1).clamp(min=0)
-    width = 2 * r if s.overlap else r
-    rpos = (group * r - (r if s.overlap else 0))[:, :, None] + torch.arange(width, device=dev)
-    start = pos[:, :1, None]
-    src = torch.where(rpos < 0, 2, torch.where(rpos >= start, 1, 0))
-    rows_of_b = torch.arange(batch, device=dev)[:, None, None] * t_len
-    group_new = rows_of_b + (rpos - start).clamp(0, t_len - 1)
-    rpos_c = rpos.clamp(min=0)
-    group_rows = _page_lookup(stable, rpos_c, p) * ring_len + rpos_c % ring_len
-    entry = _page_lookup(vtable, pos, p) * s.slots_per_page + (pos % p) // r
-    entry_slot = torch.where(complete, entry, pools.sentinel(pools.compressed[layer]))
-    read_pages = read_slots = None
-    if p >= r:
-        npages = -(-context // p)
-        read_pages = vtable[:, :npages]
-        columns = npages * s.slots_per_page
-    else:
-        columns = max(1, context // r)
-        g = torch.arange(columns, device=dev)
-        ends = ((g + 1) * r - 1)[None, :].expand(batch, -1)
-        read_slots = _page_lookup(vtable, ends, p) * s.slots_per_page
-    lengths = torch.where(valid, ((pos + 1) // r).clamp(max=columns), 0)  # (B, T): prefixes
-    return VerifyStreamMeta(
-        ring_new.reshape(n),
-        group_rows.reshape(n, width),
-        src.reshape(n, width),
-        group_new.reshape(n, width),
-        group.reshape(n),
-        entry_slot.reshape(n),
-        read_pages,
-        read_slots,
-        lengths.reshape(n),
-        columns,
-        s.slots_per_page,
-    )
-
-
 class VerifyKeys(GraphKeys):
-    """`KeySource` of one verify step over `VerifyMeta`: `GraphKeys` (V4.1 sharing and the
+    """`KeySource` of one verify step over `StepMeta`: `GraphKeys` (V4.1 sharing and the
     tail-only mask included) with ``T`` query rows per request."""
 
-    def __init__(self, weights: ModelWeights, pools: KVPools, meta: VerifyMeta, t_len: int):
-        super().__init__(weights, pools, meta)  # type: ignore[arg-type]
+    def __init__(self, weights: ModelWeights, pools: KVPools, meta: StepMeta, t_len: int):
+        super().__init__(weights, pools, meta)
         self.t_len = t_len
-
-    def _qrow(self) -> torch.Tensor:
-        return self.meta.row_batch  # type: ignore[attr-defined]
-
-    def _new_group_rows(self, rows: torch.Tensor, sm) -> torch.Tensor:
-        return rows[sm.group_new]
-
-    def _own_ring_rows(self, sm) -> torch.Tensor:
-        return sm.ring_new[sm.group_new]
 
     def _compress_fused_on_cpu(self, layer, comp, sm, ring, pool) -> None:
         """The CUDA path's layout on any device (tests): `kernels.compress_gathered` falls
@@ -259,7 +114,7 @@ class GraphVerifier(GraphDecoder):
         """Logits and hidden states of every row, packed into one tensor (one graph output):
         ``(B*T, V + D)`` in fp32, or fp64 for an fp64 model (both halves exact)."""
         buf, w = self.buffers, self.weights
-        meta = verify_metadata(self.cache, self.pools, buf, batch, context)
+        meta = step_metadata(self.cache, self.pools, buf, batch, context)
         meta = _with_late_mask(meta, self.pools)
         keys = VerifyKeys(w, self.pools, meta, self.num_tokens)
         tokens = buf.block[:batch].reshape(-1)
@@ -268,6 +123,7 @@ class GraphVerifier(GraphDecoder):
             d = hidden.shape[1]
             rows = hidden.view(batch, self.num_tokens, d)
             prev = torch.cat((buf.prev_hidden[:batch, None], rows[:, :-1]), dim=1).view(-1, d)
+            assert meta.page_rows is not None  # mtp: the pools keep page_hidden
             write_state(
                 w, self.pools, hidden, prev, tokens, meta.positions, meta.swa_new, meta.page_rows
             )
@@ -280,13 +136,17 @@ class GraphVerifier(GraphDecoder):
         requests: list[Request],
         chunks: list[list[int]],
         prev_hidden: torch.Tensor | None = None,
+        *,
+        deltas: Iterable[PageTableDelta],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``(B*T, V)`` (fp32) and hidden states ``(B*T, D)`` of a verify step; the
         requests were just extended by ``chunks`` (``num_tokens`` each). ``prev_hidden``
-        ``(B, D)``: the main hidden state before each chunk (needed with ``mtp``)."""
+        ``(B, D)``: the main hidden state before each chunk (needed with ``mtp``).
+        ``deltas``: the page-table deltas of these requests since the last step, this step's
+        extend last (`VerifyBuffers.load_block`)."""
         if any(len(c) != self.num_tokens for c in chunks):
             raise ValueError(f"a verify step takes exactly {self.num_tokens} tokens per request")
-        self.buffers.load_block(requests, chunks, prev_hidden)
+        self.buffers.load_block(requests, chunks, prev_hidden, deltas)
         longest = max(r.length for r in requests)
         context = context_bucket(longest, self.min_context_bucket, self.buffers.max_context)
         batch = min(power_bucket(len(requests), 1), self.buffers.max_batch)

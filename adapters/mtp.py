@@ -17,13 +17,16 @@ temporary tensors, never in the pools.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
-from shadowradix import CacheConfig
+from shadowradix import CacheConfig, PageTableDelta, slots
 from shadowradix.request import Request
 
 from . import ops
-from .graph_decode import GraphDecoder, _page_lookup
+from .graph_decode import GraphDecoder
+from .graph_meta import page_lookup
 from .model import LayerInput, final_hidden, head_logits, layer_forward
 from .paged import PagedKeys, PagedStep
 from .pools import KVPools
@@ -113,8 +116,10 @@ def page_end_rows(
     """``page_hidden`` row per forward row: its SWA page where the row ends a page, else the
     sentinel."""
     assert pools.page_hidden is not None
-    ends = (positions + 1) % page_size == 0
-    return torch.where(ends, swa_slots // page_size, KVPools.sentinel(pools.page_hidden))
+    ends = slots.ends_page(positions, page_size)
+    return torch.where(
+        ends, slots.page_of(swa_slots, page_size), KVPools.sentinel(pools.page_hidden)
+    )
 
 
 def resume_hidden(pools: KVPools, request: Request, start: int, page_size: int) -> torch.Tensor:
@@ -244,11 +249,13 @@ class MTPDrafter(GraphDecoder):
         cfg, buf, p, w = self.weights.config, self.buffers, self.cache.page_size, self.cache.window
         length, valid = buf.lengths[:batch], buf.valid[:batch]  # length: the pending position
         dev = length.device
-        cpos = length[:, None] - (w - 1) + torch.arange(w - 1, device=dev)[None, :]
+        # the pending token's window, itself excluded: [window_first(length + 1), length)
+        first = slots.window_first(length + 1, w)
+        cpos = first[:, None] + torch.arange(w - 1, device=dev)[None, :]
         cmask = (cpos >= 0) & valid[:, None]
         cpos = cpos.clamp(min=0)
         pool = self.pools.swa[cfg.num_layers]
-        committed = pool[_page_lookup(buf.stable[:batch], cpos, p) * p + cpos % p]
+        committed = pool[slots.page_slot(page_lookup(buf.stable[:batch], cpos, p), cpos, p)]
         temp = committed.new_zeros(batch, self.num_tokens, cfg.head_dim)
         tokens, hidden, out, logits = buf.tokens[:batch], self.hidden[:batch], [], []
         for j in range(self.num_tokens):
@@ -261,13 +268,18 @@ class MTPDrafter(GraphDecoder):
         return torch.stack(out, dim=1)
 
     def draft(
-        self, requests: list[Request], pending: list[int], hidden: torch.Tensor
+        self,
+        requests: list[Request],
+        pending: list[int],
+        hidden: torch.Tensor,
+        deltas: Iterable[PageTableDelta],
     ) -> torch.Tensor:
         """Draft tokens ``(len(requests), num_tokens)``: each request has committed
         ``request.length`` tokens, ``pending[i]`` is its next token (at position ``length``) and
-        ``hidden[i]`` the main hidden state at ``length - 1``."""
+        ``hidden[i]`` the main hidden state at ``length - 1``. ``deltas``: every page-table
+        delta of these requests since the last draft (`DecodeBuffers.load`)."""
         b = len(requests)
-        self.buffers.load(requests, pending)
+        self.buffers.load(requests, pending, deltas)
         self.hidden[:b] = hidden.to(self.hidden.dtype)
         batch = min(max(1, 1 << (b - 1).bit_length()), self.buffers.max_batch)
         if not self.use_graphs:

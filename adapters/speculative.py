@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from shadowradix import CacheConfig, ReadPlan, ShadowRadixCache
+from shadowradix import CacheConfig, PageTableDelta, ReadPlan, ShadowRadixCache
 from shadowradix.request import Request
 
 from .graph_verify import GraphVerifier
@@ -55,13 +55,15 @@ class DraftBatch:
     """The requests to draft for. Request ``i`` has committed ``requests[i].length`` tokens
     (``prompts[i] + outputs[i][:-1]``); ``outputs[i][-1]`` is its pending token. ``hidden``:
     the main model's hidden state at each request's last committed position ``(B, D)``, when
-    the source `uses_mtp`."""
+    the source `uses_mtp`. ``deltas``: the page-table deltas since the last draft (for a source
+    keeping device tables)."""
 
     requests: tuple[Request, ...]
     prompts: tuple[list[int], ...]
     outputs: tuple[list[int], ...]
     hidden: torch.Tensor | None
     num_tokens: int
+    deltas: tuple[PageTableDelta, ...] = ()
 
 
 class DraftSource(Protocol):
@@ -142,7 +144,7 @@ class MTPDraft:
         if self.drafter is None or batch.hidden is None:
             raise RuntimeError("MTPDraft is not bound to a runner")
         pending = [o[-1] for o in batch.outputs]
-        tokens = self.drafter.draft(list(batch.requests), pending, batch.hidden)
+        tokens = self.drafter.draft(list(batch.requests), pending, batch.hidden, batch.deltas)
         return tokens.tolist()  # type: ignore[no-any-return]
 
 
@@ -233,6 +235,9 @@ class SpeculativeDecoder:
         self.num_tokens, self.draft = num_tokens, draft
         self.stats = SpecStats()
         self.verifier = None
+        # page-table deltas not yet seen by the verifier's / the draft's device tables
+        self._unverified: list[PageTableDelta] = []
+        self._undrafted: list[PageTableDelta] = []
         cc = runner.cache.config
         if graph:
             self.verifier = GraphVerifier(
@@ -262,7 +267,9 @@ class SpeculativeDecoder:
             tuple(s.result.output for s in seqs),
             hidden,
             self.num_tokens,
+            tuple(self._undrafted),
         )
+        self._undrafted = []
         drafts = self.draft.propose(batch)
         self._check(drafts, len(seqs), runner.model.vocab_size)
         self.stats.draft_s += time.perf_counter() - t0
@@ -285,6 +292,7 @@ class SpeculativeDecoder:
         seqs, chunks, alloc = runner._extend(seqs, chunks, draft=True)
         if alloc is None:
             return []
+        self._note(alloc.deltas)
         logits, hidden = self._verify(runner, seqs, chunks, alloc)
         emitted = self._settle(runner, seqs, chunks, logits, hidden)
         runner.stats.decode_tokens += sum(len(e) for e in emitted)
@@ -295,6 +303,12 @@ class SpeculativeDecoder:
             # the cache holds prompt + output[:-1]: exactly one token pending
             assert s.request is None or s.request.length == len(s.tokens) - 1
         return done
+
+    def _note(self, deltas: tuple[PageTableDelta, ...]) -> None:
+        """Keeps ``deltas`` for the device tables of the verifier and the draft source."""
+        if self.verifier is not None:
+            self._unverified += deltas
+        self._undrafted += deltas
 
     def _settle(self, runner: VerifyHost, seqs, chunks, logits, hidden) -> list[list[int]]:
         """Accepts, cuts at max_new_tokens / stop tokens, rolls back the rest (in reverse batch
@@ -308,7 +322,7 @@ class SpeculativeDecoder:
             for s, e in zip(seqs, emitted)
         ]
         for i in reversed(range(len(seqs))):
-            runner.cache.rollback(seqs[i].req, t - len(emitted[i]))
+            self._note(runner.cache.rollback(seqs[i].req, t - len(emitted[i])).deltas)
         if hidden is not None:  # copies: graph outputs are reused
             rows = [i * t + len(e) - 1 for i, e in enumerate(emitted)]
             kept = hidden[torch.tensor(rows, device=hidden.device)]
@@ -327,7 +341,8 @@ class SpeculativeDecoder:
         prev = None
         if self.draft.uses_mtp:
             prev = torch.stack([runner._hidden_of(s) for s in seqs])
-        logits, hidden = self.verifier.verify([s.req for s in seqs], chunks, prev)
+        deltas, self._unverified = self._unverified, []
+        logits, hidden = self.verifier.verify([s.req for s in seqs], chunks, prev, deltas=deltas)
         if runner.device.type == "cuda":  # pragma: no cover - needs a GPU
             torch.cuda.synchronize(runner.device)
         runner.stats.forward_s += time.perf_counter() - t0

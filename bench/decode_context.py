@@ -82,10 +82,11 @@ def time_point(model, weights, batch, context, steps, page, graphs: bool, warmup
     host_s, step_s = [], []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        cache.extend_batch(requests, [[t] for t in tokens])
-        decoder.buffers.load(requests, tokens)
+        plan = cache.extend_batch(requests, [[t] for t in tokens])
+        decoder.buffers.load(requests, tokens, plan.deltas)
         t1 = time.perf_counter()
-        logits = decoder.step(requests, tokens) if i == 0 else _replay(decoder, requests)
+        # the step's deltas are applied: step() only places the rows again
+        logits = decoder.step(requests, tokens, ()) if i == 0 else _replay(decoder, requests)
         tokens = logits.argmax(-1).tolist()  # synchronises
         t2 = time.perf_counter()
         if i >= warmup:
@@ -130,8 +131,8 @@ def profile_point(model, weights, batch: int, context: int, page: int) -> None:
         min_context_bucket=context + 9,
     )
     tokens = [int(r.prompt_remaining[0]) for r in requests]
-    cache.extend_batch(requests, [[t] for t in tokens])
-    decoder.step(requests, tokens)
+    plan = cache.extend_batch(requests, [[t] for t in tokens])
+    decoder.step(requests, tokens, plan.deltas)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):

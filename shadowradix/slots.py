@@ -10,6 +10,7 @@ ints; only ``xp``-taking functions need the namespace (``numpy`` or ``torch``), 
     entry slot (C_r)          compressed_slot(vpage(e), e)   = vpage(e)*spp + (e % P) // r
                               for the group ending at e = (g + 1) * r - 1 (group_end)
     group completing at pos   completes_group(pos, r): (pos + 1) % r == 0; group_of(pos, r)
+                              (ends_page(pos, P): the same for a page)
     its rows                  [group_first(g, r, overlap), group_end(g, r)]
     in-flight rows at length  [first_inflight(L, r, overlap), L)
     visible entries at pos    visible_entries(pos, r) = (pos + 1) // r
@@ -75,6 +76,11 @@ def compressed_slot(
 def completes_group(pos: Ints, ratio: Ints) -> Ints:
     """Whether ``pos`` is the last token of a group (``ratio``: an int or an int64 column)."""
     return ((pos + 1) & (ratio - 1)) == 0
+
+
+def ends_page(pos: Ints, page_size: int) -> Ints:
+    """Whether ``pos`` is the last position of its page (a page is a group of ``P``)."""
+    return completes_group(pos, page_size)
 
 
 def group_of(pos: Ints, ratio: int) -> Ints:

@@ -125,11 +125,11 @@ def test_a_decode_forward_that_raises_fails_its_requests_only(graph_decode: bool
 
     if graph_decode:
 
-        def graph(seqs, tokens):
+        def graph(seqs, tokens, deltas):
             if not failed and decoding(seqs):
                 failed.append({s.result.request_id for s in seqs})
                 raise Injected("injected")
-            return step_of(seqs, tokens)
+            return step_of(seqs, tokens, deltas)
 
         runner._graph_forward = graph  # type: ignore[method-assign]
     else:

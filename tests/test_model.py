@@ -350,8 +350,8 @@ def test_graph_decoder_matches_reference_exactly(page: int) -> None:
         live = [0, 1, 2] if k < 4 else [1, 3, 2]  # request 0 leaves, 3 joins in another row
         toks = [TOKENS[460 + 5 * i + k] for i in live]
         batch = [reqs[i] for i in live]
-        eng.cache.extend_batch(batch, [[t] for t in toks])
-        logits = dec.step(batch, toks)
+        plan = eng.cache.extend_batch(batch, [[t] for t in toks])
+        logits = dec.step(batch, toks, plan.deltas)
         for j, i in enumerate(live):
             got[i].append(logits[j : j + 1])
             fed[i].append(toks[j])

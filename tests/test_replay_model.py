@@ -287,8 +287,8 @@ def test_graph_decode_after_replay_equals_oracle(page: int) -> None:
     got_exact: list[torch.Tensor] = []
     for k in range(6):
         toks = [TAIL[50 + k], TAIL[60 + k]]
-        eng.cache.extend_batch([req, exact], [[t] for t in toks])
-        logits = dec.step([req, exact], toks)
+        plan = eng.cache.extend_batch([req, exact], [[t] for t in toks])
+        logits = dec.step([req, exact], toks, plan.deltas)
         got.append(logits[:1])
         got_exact.append(logits[1:])
         fed.append(toks[0])

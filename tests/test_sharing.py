@@ -231,8 +231,8 @@ def test_graph_decoder_equals_reference() -> None:
     fed: list[list[int]] = [[] for _ in prompts]
     for k in range(5):
         toks = [TOKENS[460 + 5 * i + k] for i in range(len(reqs))]
-        eng.cache.extend_batch(reqs, [[t] for t in toks])
-        logits = dec.step(reqs, toks)
+        plan = eng.cache.extend_batch(reqs, [[t] for t in toks])
+        logits = dec.step(reqs, toks, plan.deltas)
         for i in range(len(reqs)):
             got[i].append(logits[i : i + 1])
             fed[i].append(toks[i])

@@ -278,10 +278,11 @@ def test_preemption_under_speculation(make_runner) -> None:
 # -- graph verify against the paged verify ------------------------------------------------------
 
 
-def _verify_both_ways(cache, pools, ver, reqs, chunks) -> None:
+def _verify_both_ways(cache, pools, ver, reqs, chunks, since=()) -> None:
     """Draft ``chunks`` onto ``reqs``, run the verify step through the paged forward and through
     `GraphVerifier` from the same pool contents: logits equal, every pool row equal (except the
-    sentinel rows, which padding writes); the verifier's writes are kept."""
+    sentinel rows, which padding writes); the verifier's writes are kept. ``since``: the
+    page-table deltas since the last verify (rollbacks)."""
     alloc = cache.extend_draft_batch(reqs, chunks)
     saved = [t.clone() for t in _all_pools(pools)]
     plans = [cache.read_plan(r, start=s) for r, s in zip(reqs, alloc.starts)]
@@ -290,7 +291,7 @@ def _verify_both_ways(cache, pools, ver, reqs, chunks) -> None:
     paged = [t.clone() for t in _all_pools(pools)]
     for t, before in zip(_all_pools(pools), saved):
         t.copy_(before)
-    got, _ = ver.verify(reqs, chunks)
+    got, _ = ver.verify(reqs, chunks, deltas=[*since, *alloc.deltas])
     assert torch.equal(got, want)
     for a, b in zip(_all_pools(pools), paged):
         torch.testing.assert_close(a[:-1], b[:-1], rtol=0, atol=1e-13)
@@ -343,11 +344,11 @@ def test_graph_verify_fused_compressor_layout_is_safe(monkeypatch, page: int) ->
     ver = GraphVerifier(weights(), pools, cc, 4, cc.full_capacity, t_len, min_context_bucket=8)
     reqs = [cache.admit(STEM[:n]) for n in (13, 30, 7)]
     _prefill(cache, pools, reqs)
+    since: list = []
     for rnd in range(3):
         chunks = [[(7 * rnd + 3 * i + j) % 256 for j in range(t_len)] for i in range(3)]
-        _verify_both_ways(cache, pools, ver, reqs, chunks)
-        for r in reqs:
-            cache.rollback(r, t_len // 2)
+        _verify_both_ways(cache, pools, ver, reqs, chunks, since)
+        since = [d for r in reqs for d in cache.rollback(r, t_len // 2).deltas]
     for r in reqs:
         cache.finish(r)
 
@@ -360,10 +361,11 @@ def test_graph_verify_uploads_again_the_pages_of_a_rejected_draft() -> None:
     a, b = cache.admit(STEM[:5]), cache.admit(STEM[10:17])
     _prefill(cache, pools, [a, b])
     _verify_both_ways(cache, pools, ver, [a], [[1, 2, 3, 4]])
-    cache.rollback(a, 3)  # keeps one token: the pages of positions 7, 8 go back
+    back = cache.rollback(a, 3)  # keeps one token: the pages of positions 7, 8 go back
     taken = cache.extend(b, [7, 7, 7, 7])  # b takes them
     assert taken.num_tokens == 4
-    _verify_both_ways(cache, pools, ver, [a, b], [[5, 6, 7, 8], [1, 1, 1, 1]])
+    since = [*back.deltas, *taken.deltas]
+    _verify_both_ways(cache, pools, ver, [a, b], [[5, 6, 7, 8], [1, 1, 1, 1]], since)
     for r in (a, b):
         cache.rollback(r, 4)
         cache.finish(r)
@@ -529,7 +531,7 @@ def test_misuse_of_the_building_blocks_raises_clearly() -> None:
     ver = GraphVerifier(weights(), pools, cc, 2, 256, 3)
     cache.extend_draft(r, [1, 2, 3])
     with pytest.raises(ValueError, match="exactly 3 tokens"):
-        ver.verify([r], [[1, 2]])
+        ver.verify([r], [[1, 2]], deltas=())
     cache.rollback(r, 3)
     cache.finish(r)
 
