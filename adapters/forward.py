@@ -38,7 +38,7 @@ class Forward(RunnerBase):
         step = build_step(self.model, alloc, plans, flat, self.device)
         if self.offload is not None:
             self.offload.drain()  # every page the forward plans for is unpinned
-            self.offload.begin_step(step.streams[4].entry_slots_np)
+            self.offload.begin_step()  # releases the pages the cache freed (its events)
         tail_rows = self._tail_rows(chunks) if self.tail_only else None
         if tail_rows is not None:
             rows = np.searchsorted(tail_rows, rows).tolist()  # chunk ends are tail rows

@@ -9,6 +9,11 @@ layer without V4.1 sharing; consumer C4 layers read their source's mirror and bu
 * ``buffer[layer]``: ``(device_slots + 1, entries_per_page, d)`` on the device, the working set
   (the last row is a sentinel for masked reads).
 
+Page lives come from the cache's KV events (`hisparse.lifetimes.PageLives`, fed by the
+executor's own `EventSubscription`, so the embedder's `take_events` is untouched): before each
+step's forward, `begin_step` releases every virtual page the cache freed (FREED) or evicted
+(EVICTED) since the last step, and a page's first write after that is fresh (no swap-in).
+
 One `exchange` per C4 layer and step, in this order (the coordinator's contract):
 
 1. complete the copy tickets whose events have fired (unpins their pages);
@@ -35,7 +40,9 @@ import numpy as np
 import torch
 
 from hisparse import Coordinator, CopyBatch, HiSparseConfig, PinnedPageError
+from hisparse.lifetimes import PageLives
 from shadowradix import CacheConfig
+from shadowradix.events import EventSubscription
 
 from .model_config import ModelConfig
 
@@ -61,6 +68,8 @@ class _Inflight:
 class C4Offload:
     """Host mirror + device working set of the C4 KV, planned by `hisparse.Coordinator`.
 
+    ``events``: a subscription to the cache's KV events (``cache.subscribe_events()``), the
+    only way the executor learns that a virtual page was freed and may be reused.
     ``zero_copy`` (CUDA only; default: when CuPy can map the pinned mirror): copies are GPU
     gathers reading and writing the mapped host memory directly; otherwise swap-ins gather on
     the CPU into pinned staging and backups land in staging that `poll` copies into the mirror.
@@ -75,6 +84,8 @@ class C4Offload:
         device_pages: int,
         debug: bool = False,
         zero_copy: bool | None = None,
+        *,
+        events: EventSubscription,
     ) -> None:
         if 4 not in model.ratios or cache.page_size < 4:
             raise ValueError("HiSparse needs C4 layers and a page size >= 4")
@@ -103,6 +114,10 @@ class C4Offload:
         self._mapped = {i: _mapped_view(self.host[i], device) for i in self.layers} if use else {}
         self._inflight: list[_Inflight] = []
         self.stats = OffloadStats()
+        if not isinstance(events, EventSubscription):
+            raise TypeError(f"events must be an EventSubscription, got {type(events).__name__}")
+        self.events = events
+        self.lives = PageLives(host_pages)
 
     @property
     def copy_path(self) -> str:
@@ -140,18 +155,18 @@ class C4Offload:
             self.host[job.layer].index_copy_(0, pages, job.staging)
         self.coordinator.complete(job.ticket)
 
-    def begin_step(self, c4_entry_slots: np.ndarray) -> None:
-        """Before a step's forward: pages whose entry 0 is written now start a new life (the
-        cache freed and reused the virtual page), so whatever the coordinator remembers of their
-        previous life is released first."""
-        reused = np.unique(c4_entry_slots[c4_entry_slots % self.spp == 0] // self.spp)
-        if not len(reused):
+    def begin_step(self) -> None:
+        """Before a step's forward (copies drained or not): the virtual pages the cache freed
+        or evicted since the last step (its KV events) end their life here, so whatever the
+        coordinator holds of them is released; their next write is fresh."""
+        ended = self.lives.begin(self.events.take())
+        if not len(ended):
             return
         try:
-            self.coordinator.release(reused)
+            self.coordinator.release(ended)
         except PinnedPageError:  # a copy of the old life is still in flight
             self.drain()
-            self.coordinator.release(reused)
+            self.coordinator.release(ended)
 
     # -- one layer-step --------------------------------------------------------------------
 
@@ -170,8 +185,10 @@ class C4Offload:
         spp, j = self.spp, self._index[layer]
         valid_np = read_valid.cpu().numpy()
         read_np = read_slots.cpu().numpy()[valid_np]  # the one device -> host sync of the layer
-        write_pages, fresh = _written_pages(write_slots, spp)
+        write_pages = _written_pages(write_slots, spp)
+        fresh = self.lives.fresh(write_pages)
         plan = self.coordinator.plan_step(j, read_np // spp, write_pages, fresh)
+        self.lives.wrote(write_pages)
         self._swap_in(layer, plan.swap_in)
         buf = self.buffer[layer].view(-1, self._width(layer))
         if len(write_slots):
@@ -315,14 +332,8 @@ def _index(ids: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(ids, dtype=np.int64))
 
 
-def _written_pages(write_slots: np.ndarray, spp: int) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct pages receiving entries, and whether each is fresh (its entry 0 is written now:
-    entries of a page are written in order, so the page held nothing before)."""
+def _written_pages(write_slots: np.ndarray, spp: int) -> np.ndarray:
+    """The sorted distinct pages receiving entries."""
     if not len(write_slots):
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, np.zeros(0, dtype=bool)
-    pages = write_slots // spp
-    uniq, inverse = np.unique(pages, return_inverse=True)
-    fresh = np.zeros(len(uniq), dtype=bool)
-    fresh[inverse[write_slots % spp == 0]] = True
-    return uniq, fresh
+        return np.zeros(0, dtype=np.int64)
+    return np.unique(write_slots // spp)

@@ -173,8 +173,9 @@ class Runner(Prefill, Decode):
             from .offload import C4Offload
 
             self.offload = C4Offload(
-                model, cache_config, self.device, dtype, hisparse_pages, cache_config.debug
-            )
+                model, cache_config, self.device, dtype, hisparse_pages, cache_config.debug,
+                events=self.cache.subscribe_events(),  # its own queue: take_events is untouched
+            )  # fmt: skip
             graph_decode = False
             if hisparse_pages < model.index_topk + 1:
                 raise ValueError(

@@ -91,8 +91,7 @@ def capacity(model, page: int, budget: int, buffer_pages: int) -> list[dict]:
     return rows
 
 
-def fill(model, cache_cfg, pools, offload, batch, context, gen):
-    cache = ShadowRadixCache(cache_cfg)
+def fill(model, cache, pools, offload, batch, context, gen):
     rng = np.random.default_rng(context)
     reqs = []
     for _ in range(batch):
@@ -123,7 +122,8 @@ def fill(model, cache_cfg, pools, offload, batch, context, gen):
                 )
                 offload.coordinator.complete(plan.swap_in.ticket)
                 offload.coordinator.complete(plan.backup.ticket)
-    return cache, reqs
+        offload.lives.adopt(pages)  # and so does the executor: their next writes are not fresh
+    return reqs
 
 
 def decode_arm(model, weights, batch, context, steps, page, buffer_fraction, zero_copy=None):
@@ -140,14 +140,18 @@ def decode_arm(model, weights, batch, context, steps, page, buffer_fraction, zer
         2 * 16384 + batch * 4 * page + 8 * page,
     )
     pools = KVPools(model, cc, DEVICE, DTYPE, offload_c4=pages is not None)
+    cache = ShadowRadixCache(cc)
     off = (
         None
         if pages is None
-        else C4Offload(model, cc, torch.device(DEVICE), DTYPE, pages, zero_copy=zero_copy)
-    )
+        else C4Offload(
+            model, cc, torch.device(DEVICE), DTYPE, pages, zero_copy=zero_copy,
+            events=cache.subscribe_events(),
+        )
+    )  # fmt: skip
     mapped = off is not None and any(v is not None for v in off._mapped.values())
     gen = torch.Generator(device=DEVICE).manual_seed(context)
-    cache, reqs = fill(model, cc, pools, off, batch, context, gen)
+    reqs = fill(model, cache, pools, off, batch, context, gen)
     tokens = [int(r.prompt_remaining[0]) for r in reqs]
     times, swaps = [], []
     for i in range(steps + 3):
@@ -159,7 +163,7 @@ def decode_arm(model, weights, batch, context, steps, page, buffer_fraction, zer
         before = off.stats.swap_in_pages if off else 0
         if off is not None:
             off.drain()
-            off.begin_step(step.streams[4].entry_slots_np)
+            off.begin_step()
         rows = torch.arange(batch, device=DEVICE)
         logits = run_step(weights, pools, step, rows, off)
         tokens = logits.argmax(-1).tolist()

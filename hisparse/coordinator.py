@@ -111,6 +111,15 @@ class Coordinator:
         pages = as_host_pages(host_pages, self.config.max_host_pages, "host_pages")
         return self._layers[index].resident(pages)
 
+    def holds(self, host_pages: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+        """Whether each of ``host_pages`` (any shape) holds data in any layer: a device copy,
+        or current host data."""
+        pages = as_host_pages(host_pages, self.config.max_host_pages, "host_pages")
+        out = np.zeros(pages.shape, np.bool_)
+        for state in self._layers:
+            out |= state.resident(pages) | state.has_host_data[pages]
+        return out
+
     @property
     def pending_tickets(self) -> tuple[int, ...]:
         """Tickets issued and not yet completed, in issue order."""

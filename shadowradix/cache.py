@@ -23,7 +23,7 @@ from .deltas import TableChanges
 from .drafts import DraftVerbs
 from .embedding import EmbedderVerbs
 from .errors import ConfigError, InvalidRequestError
-from .events import EventLog
+from .events import EventLog, EventSubscription
 from .eviction import EvictionPolicy
 from .extension import StepExtension
 from .insertion import TreeInsertion
@@ -335,6 +335,23 @@ class ShadowRadixCache(
             admissions=self._admissions,
             matched_tokens=self._matched_tokens,
         )
+
+    def subscribe_events(self) -> EventSubscription:
+        """A new, independent consumer of the KV events (`shadowradix.events`): its queue gets
+        every event from now on, whoever else takes events (`take_events`, other subscribers).
+        Made with ``kv_events=True``: full events. Without: allowed only while the tree holds
+        no page (else `ConfigError`), and its events name page ids only (no hashes, no tokens),
+        which is all an offload executor needs to learn when a page id is freed."""
+        log = self._tree.events
+        if log is None:
+            if self._tree.nodes():
+                raise ConfigError(
+                    "subscribe to a cache made without kv_events before it caches anything "
+                    "(or make it with kv_events=True)"
+                )
+            log = self._tree.events = EventLog(self.config.page_size, hashes=False,
+                                               default_queue=False)  # fmt: skip
+        return log.subscribe()
 
     @property
     def requests(self) -> tuple[Request, ...]:

@@ -25,6 +25,12 @@ page id that stops being used: a connector writing pages through (offload, a PD 
 when an id may be reused, instead of guessing from the writes. The page ids a request holds
 (and when they change) are reported by the page-table deltas (`shadowradix.deltas`), not here.
 A node split changes no page, so it emits nothing.
+
+Consumers: `take_events` is one queue (made by ``kv_events=True``); `subscribe_events` gives
+each further consumer its own (`EventSubscription`), fed with every event from then on, so an
+offload executor and an engine's connector never take each other's events. A cache made
+without ``kv_events`` may still be subscribed to while its tree is empty: its events then name
+page ids only (no hashes, no tokens: no blake2b per inserted page).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+
+from .errors import ConfigError, InvalidRequestError
 
 ROOT_HASH = 0
 
@@ -89,56 +97,120 @@ def page_hashes(parent_hash: int, tokens: np.ndarray, page_size: int) -> list[in
     return out
 
 
-class EventLog:
-    """The events since the last `take`, and the hash of every page in the tree (to chain the
-    hashes of pages inserted below it)."""
+class EventSubscription:
+    """One consumer's queue of `KvEvent`s (`ShadowRadixCache.subscribe_events`): every event
+    recorded since it was made, independent of every other consumer."""
 
-    def __init__(self, page_size: int) -> None:
-        self.page_size = page_size
+    __slots__ = ("_log", "_events")
+
+    def __init__(self, log: EventLog) -> None:
+        self._log: EventLog | None = log
         self._events: list[KvEvent] = []
+
+    def take(self) -> list[KvEvent]:
+        """The events since the last `take`, oldest first. Raises `InvalidRequestError` once
+        closed."""
+        if self._log is None:
+            raise InvalidRequestError("this event subscription is closed")
+        out, self._events = self._events, []
+        return out
+
+    def close(self) -> None:
+        """Stop receiving events (what was queued is dropped). Raises `InvalidRequestError`
+        when already closed."""
+        if self._log is None:
+            raise InvalidRequestError("this event subscription is already closed")
+        self._log.unsubscribe(self)
+        self._log, self._events = None, []
+
+    @property
+    def closed(self) -> bool:
+        return self._log is None
+
+
+class EventLog:
+    """Fans every event out to its subscriptions, and keeps the hash of every page in the tree
+    (to chain the hashes of pages inserted below it). ``hashes=False``: events name page ids
+    only (``page_hashes``, ``parent_hash`` and ``token_ids`` empty), nothing is hashed."""
+
+    def __init__(self, page_size: int, *, hashes: bool = True, default_queue: bool = True) -> None:
+        self.page_size = page_size
+        self.hashes = hashes
+        self._subs: list[EventSubscription] = []
         self._hash: dict[int, int] = {}  # virtual page -> its chained hash
+        #: the queue `take` reads (``kv_events=True``), or ``None``
+        self._default = self.subscribe() if default_queue else None
+
+    def subscribe(self) -> EventSubscription:
+        sub = EventSubscription(self)
+        self._subs.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: EventSubscription) -> None:
+        self._subs.remove(sub)
+
+    def _emit(self, event: KvEvent) -> None:
+        for sub in self._subs:
+            sub._events.append(event)
 
     def hash_of(self, vpage: int) -> int:
-        """The chained hash of a page in the tree."""
-        return self._hash[vpage]
+        """The chained hash of a page in the tree (`ROOT_HASH` without hashes)."""
+        return self._hash[vpage] if self.hashes else ROOT_HASH
 
     def inserted(self, parent_hash: int, tokens: np.ndarray, vpages: np.ndarray,
                  swa_pages: np.ndarray, first_page: int, approximate: bool) -> None:  # fmt: skip
         """``parent_hash``: the hash of the page before the new ones, or the namespace's seed
         (`namespace_seed`) below a root."""
-        hashes = page_hashes(parent_hash, tokens, self.page_size)
         ids = vpages.tolist()
+        if not self.hashes:
+            if self._subs:
+                self._emit(KvEvent(KvEventKind.INSERTED, tuple(ids), tuple(swa_pages.tolist()),
+                                   first_page=first_page, approximate=approximate))  # fmt: skip
+            return
+        hashes = page_hashes(parent_hash, tokens, self.page_size)
         self._hash.update(zip(ids, hashes))
-        self._events.append(KvEvent(KvEventKind.INSERTED, tuple(ids), tuple(swa_pages.tolist()),
-                                    tuple(hashes), first_page, approximate, parent_hash,
-                                    tuple(tokens.tolist())))  # fmt: skip
+        if self._subs:
+            self._emit(KvEvent(KvEventKind.INSERTED, tuple(ids), tuple(swa_pages.tolist()),
+                               tuple(hashes), first_page, approximate, parent_hash,
+                               tuple(tokens.tolist())))  # fmt: skip
 
     def evicted(self, vpages: np.ndarray, swa_pages: np.ndarray, first_page: int) -> None:
         ids = vpages.tolist()
-        hashes = tuple(self._hash.pop(v) for v in ids)
-        self._events.append(
-            KvEvent(KvEventKind.EVICTED, tuple(ids), tuple(swa_pages.tolist()), hashes, first_page)
-        )
+        pop = self._hash.pop
+        hashes = tuple(pop(v) for v in ids) if self.hashes else ()
+        if self._subs:
+            self._emit(KvEvent(KvEventKind.EVICTED, tuple(ids), tuple(swa_pages.tolist()),
+                               hashes, first_page))  # fmt: skip
 
     def tombstoned(self, vpages: np.ndarray, swa_pages: np.ndarray, first_page: int) -> None:
-        ids = vpages.tolist()
-        hashes = tuple(self._hash[v] for v in ids)
-        self._events.append(KvEvent(KvEventKind.TOMBSTONED, tuple(ids),
-                                    tuple(swa_pages.tolist()), hashes, first_page))  # fmt: skip
+        if self._subs:
+            ids = vpages.tolist()
+            hashes = tuple(self._hash[v] for v in ids) if self.hashes else ()
+            self._emit(KvEvent(KvEventKind.TOMBSTONED, tuple(ids),
+                               tuple(swa_pages.tolist()), hashes, first_page))  # fmt: skip
 
     def revived(self, parent_hash: int, tokens: np.ndarray, vpages: np.ndarray,
                 swa_pages: np.ndarray, first_page: int) -> None:  # fmt: skip
+        if not self._subs:
+            return
         ids = vpages.tolist()
+        if not self.hashes:
+            self._emit(KvEvent(KvEventKind.REVIVED, tuple(ids), tuple(swa_pages.tolist()),
+                               first_page=first_page))  # fmt: skip
+            return
         hashes = tuple(self._hash[v] for v in ids)
-        self._events.append(KvEvent(KvEventKind.REVIVED, tuple(ids), tuple(swa_pages.tolist()),
-                                    hashes, first_page, False, parent_hash,
-                                    tuple(tokens.tolist())))  # fmt: skip
+        self._emit(KvEvent(KvEventKind.REVIVED, tuple(ids), tuple(swa_pages.tolist()),
+                           hashes, first_page, False, parent_hash,
+                           tuple(tokens.tolist())))  # fmt: skip
 
     def freed(self, vpages: list[int], swa_pages: list[int]) -> None:
         """Private pages returned to the free lists (none given: no event)."""
-        if vpages or swa_pages:
-            self._events.append(KvEvent(KvEventKind.FREED, tuple(vpages), tuple(swa_pages)))
+        if (vpages or swa_pages) and self._subs:
+            self._emit(KvEvent(KvEventKind.FREED, tuple(vpages), tuple(swa_pages)))
 
     def take(self) -> list[KvEvent]:
-        out, self._events = self._events, []
-        return out
+        """The default queue's events (`ShadowRadixCache.take_events`); `ConfigError` when the
+        cache was made without ``kv_events``."""
+        if self._default is None:
+            raise ConfigError("KV events are off: make the cache with kv_events=True")
+        return self._default.take()

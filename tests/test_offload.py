@@ -15,6 +15,7 @@ from adapters.reference import reference_generate
 from adapters.runner import Runner
 from adapters.sampling import SamplingParams
 from adapters.weights import init_weights
+from shadowradix.events import EventLog
 
 SMALL = {**SMALL_MODEL, "index_topk": 4}  # these tests size their device buffers from top-4
 MODEL = preset("tiny", **SMALL, window=16, compress_ratios=(0, 4, 16, 4))
@@ -93,11 +94,11 @@ def test_shared_prefix_shares_host_pages() -> None:
 
 def test_exchange_round_trip_through_the_host_mirror() -> None:
     cc = MODEL.cache_config(page_size=16, full_capacity=16 * 8, swa_capacity=16 * 8)
-    off = C4Offload(MODEL, cc, torch.device("cpu"), torch.float64, device_pages=3)
+    off = _hand_driven(cc)
     spp, d = off.spp, MODEL.head_dim
     values = torch.arange(4 * spp * d, dtype=torch.float64).view(4 * spp, d)
     slots = np.arange(4 * spp, dtype=np.int64)  # four whole pages, fresh
-    off.begin_step(slots)
+    off.begin_step()
     for k in range(4):  # one page per step: the buffer holds 3
         part = slots[k * spp : (k + 1) * spp]
         none = torch.zeros((1, 0), dtype=torch.long)
@@ -110,6 +111,14 @@ def test_exchange_round_trip_through_the_host_mirror() -> None:
     )
     assert torch.equal(got[0], values[[0, spp + 1, 2 * spp + 2]])  # page 0 swapped back in
     assert off.stats.swap_in_pages >= 1
+
+
+def _hand_driven(cc, log: EventLog | None = None) -> C4Offload:
+    """An executor without a cache: its events come from ``log`` (by hand)."""
+    log = log or EventLog(cc.page_size, hashes=False, default_queue=False)
+    return C4Offload(
+        MODEL, cc, torch.device("cpu"), torch.float64, device_pages=3, events=log.subscribe()
+    )
 
 
 def test_bad_hisparse_configurations() -> None:
@@ -143,11 +152,12 @@ def test_bad_hisparse_configurations() -> None:
 def test_inflight_backups_fill_the_mirror_when_completed() -> None:
     """The copy bookkeeping of the CUDA path, driven by hand on the CPU: a staged backup fills
     the mirror only when completed (poll / drain), and a page pinned by an in-flight copy is
-    released only after draining it (begin_step of a reused page)."""
+    released only after draining it (begin_step after the cache freed the page)."""
     from adapters.offload import _Inflight
 
     cc = MODEL.cache_config(page_size=16, full_capacity=16 * 8, swa_capacity=16 * 8)
-    off = C4Offload(MODEL, cc, torch.device("cpu"), torch.float64, device_pages=3)
+    log = EventLog(cc.page_size, hashes=False, default_queue=False)
+    off = _hand_driven(cc, log)
     layer, j = off.layers[0], 0
     plans = []
     for page in (0, 1):
@@ -166,7 +176,8 @@ def test_inflight_backups_fill_the_mirror_when_completed() -> None:
     plan = off.coordinator.plan_step(j, np.zeros(0, np.int64), np.array([0]), [False])
     off.coordinator.complete(plan.swap_in.ticket)
     off._inflight.append(_Inflight(plan.backup.ticket, None, layer, np.array([0]), staged[1]))
-    off.begin_step(np.array([0], dtype=np.int64))  # page 0 reused: pinned, so drain first
+    log.freed([0], [])  # the cache freed page 0 while its backup is in flight
+    off.begin_step()  # pinned: drained first, then released
     assert off._inflight == [] and not off.coordinator.resident(j, [0]).any()
     device_bytes, host_bytes = off.nbytes()
     assert device_bytes == 2 * 4 * off.spp * MODEL.head_dim * 8  # 2 C4 layers x (3 + sentinel)
