@@ -23,6 +23,7 @@ from .errors import (
 )
 from .events import KvEvent, KvEventKind
 from .locks import LockReceipt, PinReceipt, Pool
+from .relocation import PageMoves, RebalanceReport
 from .request import Request, RequestState
 from .results import (
     Allocation,
@@ -57,10 +58,12 @@ __all__ = [
     "PinReceipt",
     "MatchResult",
     "PageAllocator",
+    "PageMoves",
     "PageTableDelta",
     "Pool",
     "PoolStats",
     "ReadPlan",
+    "RebalanceReport",
     "Request",
     "RequestState",
     "ShadowRadixCache",

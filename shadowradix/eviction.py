@@ -1,6 +1,7 @@
 """Eviction and capacity: full eviction removes the least recently used unlocked leaves, SWA
 eviction tombstones the oldest unprotected pages (node heads before any branch's tail window);
-a step evicts from each pool only what that pool lacks; `rebalance` moves the live capacities."""
+a step evicts from each pool only what that pool lacks; `rebalance` moves the live capacities
+(evicting by count, then relocating the ids in use above a shrunk capacity: `relocation`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import CapacityError, ConfigError, InvalidRequestError
+from .relocation import RebalanceReport, relocate
 from .results import EvictionReport
 from .validation import as_count
 
@@ -113,12 +115,41 @@ class EvictionPolicy:
 
     def rebalance(
         self, full_capacity: int | None = None, swa_capacity: int | None = None
-    ) -> EvictionReport:
+    ) -> RebalanceReport:
         """Move the live pool capacities (tokens) within their configured maxima at run time.
 
-        Shrinking evicts what no longer fits; raises `CapacityError` (changing nothing) when
-        locked or request-held pages exceed the new size.
+        Shrinking evicts what no longer fits by count, then moves every page id in use at or
+        above the new capacity to a free id below it (`relocation`): the report names the moves
+        (the adapter copies those pages' rows, then resizes its pools) and the page-table
+        changes of the requests that held one. Raises `ConfigError` for a bad size and
+        `CapacityError` when locked or request-held pages exceed the new size, changing
+        nothing either way.
         """
+        targets = self._rebalance_targets(full_capacity, swa_capacity)
+        before = (self._full.capacity, self._swa.capacity)
+        excess = [max(0, a.num_used - t) for a, t in zip((self._full, self._swa), targets)]
+        self._ensure_capacity(excess[0] + self._full.num_free, excess[1] + self._swa.num_free)
+        evicted = self._evict_full(excess[0]) + self._evict_swa(
+            max(0, self._swa.num_used - targets[1])
+        )
+        full_moves, swa_moves, changes = relocate(self, targets[0], targets[1])  # type: ignore[arg-type]
+        self._debug_check()
+        return RebalanceReport(
+            evicted.full_pages,
+            evicted.swa_pages,
+            evicted.nodes_removed,
+            evicted.nodes_tombstoned,
+            (before[0], targets[0]),
+            (before[1], targets[1]),
+            full_moves,
+            swa_moves,
+            changes,
+        )
+
+    def _rebalance_targets(
+        self, full_capacity: int | None, swa_capacity: int | None
+    ) -> tuple[int, int]:
+        """The new capacities in pages (``None``: unchanged), or `ConfigError`."""
         p = self.config.page_size
         targets = []
         for name, alloc, value in (
@@ -138,12 +169,4 @@ class EvictionPolicy:
             targets.append(count // p)
         if targets[1] < self.config.window_pages + 1:
             raise ConfigError("swa capacity must hold at least one request's window")
-        excess = [max(0, a.num_used - t) for a, t in zip((self._full, self._swa), targets)]
-        self._ensure_capacity(excess[0] + self._full.num_free, excess[1] + self._swa.num_free)
-        report = self._evict_full(excess[0]) + self._evict_swa(
-            max(0, self._swa.num_used - targets[1])
-        )
-        self._full.set_capacity(targets[0])
-        self._swa.set_capacity(targets[1])
-        self._debug_check()
-        return report
+        return targets[0], targets[1]

@@ -155,7 +155,8 @@ def test_finish_and_abort_leave_the_tables_they_end_with():
 def test_eviction_never_changes_a_live_request_table():
     """Full eviction removes unlocked leaves only; SWA eviction tombstones unprotected pages
     only, and a running request's window is SWA-locked: a request's tables cannot change,
-    so `evict` and `rebalance` report no deltas."""
+    so `evict` reports no deltas; nor does a `rebalance` that moves no page (one that shrinks
+    a pool below ids in use renames them: tests/test_relocation.py)."""
     cache = _cache(swa_capacity=12 * P)
     prompt = list(range(24))
     done = cache.admit(prompt)
@@ -225,7 +226,7 @@ class AccountedCache(ShadowRadixCache):
             used_v |= set(vpages)
             used_s |= set(swa)
         for used, alloc in ((used_v, self._full), (used_s, self._swa)):
-            assert used == set(range(alloc.max_pages)) - set(alloc._free), alloc.name
+            assert used == set(range(alloc.capacity)) - set(alloc._free), alloc.name
         assert self.used[0] - used_v <= freed_v, "a virtual page left use unreported"
         assert self.used[1] - used_s <= freed_s, "an SWA page left use unreported"
         assert not (private[0] & used_v or private[1] & used_s), "FREED a page in use"

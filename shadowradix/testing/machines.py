@@ -309,9 +309,15 @@ class CacheMachine(RuleBasedStateMachine):
         swa = min(max(swa_pages, c.window_pages + 1), c.max_swa_pages) * p
         before = snapshot(self.cache)
         try:
-            self.cache.rebalance(full_capacity=full, swa_capacity=swa)
+            report = self.cache.rebalance(full_capacity=full, swa_capacity=swa)
         except CapacityError as err:
             self._expect_unchanged(before, err)
+            return
+        fm, sm = report.full_moves, report.swa_moves
+        self.oracle.move_pages(fm.src, fm.dst, sm.src, sm.dst)
+        self.mirror.apply(report.deltas)
+        note(f"rebalance: {len(fm)} full and {len(sm)} SWA pages moved")
+        event(f"rebalance: {'pages moved' if len(fm) or len(sm) else 'no move'}")
 
     # -- invariants --------------------------------------------------------------------------
 

@@ -125,6 +125,16 @@ class FingerprintOracle:
                     f"C{r} group {g}: in-flight rows {sorted(needed)} not carried in"
                 )
 
+    def move_pages(self, full_src, full_dst, swa_src, swa_dst) -> None:
+        """A rebalance's page moves (`relocation.PageMoves`), as the adapter's row copies:
+        each moved page's SWA slots and ring rows (SWA pages) or compressed entries (virtual
+        pages) go to the new page; what the source held is gone."""
+        p = self.config.page_size
+        _move(self.swa, swa_src, swa_dst, p)
+        for s in self.config.streams:
+            _move(self.rings[s.ratio], swa_src, swa_dst, s.ring_len)
+            _move(self.entries[s.ratio], full_src, full_dst, s.slots_per_page)
+
     def check_reads(
         self,
         plan: ReadPlan,
@@ -166,3 +176,16 @@ class FingerprintOracle:
             f"{what}: request {reader} reads replay-derived state of request "
             f"{found.approx_writer} without being flagged approximate"
         )
+
+
+def _move(rows: dict[int, Fingerprint], src, dst, per_page: int) -> None:
+    """Rows ``[s * per_page, (s + 1) * per_page)`` of each source page to its target page."""
+    taken = {}
+    for a, b in zip(src, dst):
+        for k in range(per_page):
+            taken[b * per_page + k] = rows.pop(a * per_page + k, None)
+    for slot, fp in taken.items():
+        if fp is None:
+            rows.pop(slot, None)
+        else:
+            rows[slot] = fp
