@@ -3,8 +3,8 @@
 Every public mutating call validates first, then checks capacity (free + evictable pages), and
 only then changes anything: a call that raises leaves the cache exactly as it was. Costs are
 O(pages) in Python; per-token work is vectorised in `shadows`. The parts of the lifecycle live
-in modules named after them and are mixed in: `matching`, `extension`, `drafts`, `window`,
-`insertion`, `eviction`, `embedding` (the embedder verbs).
+in modules named after them and are mixed in: `matching`, `extension`, `drafts`, `pending`,
+`window`, `insertion`, `eviction`, `embedding` (the embedder verbs).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from .locks import LockTable, PinReceipt
 from .lru import LruIndex
 from .matching import PrefixMatching
 from .page_table import PageTable
+from .pending import PendingVerbs
 from .radix_tree import RadixTree
 from .request import Request, RequestState
 from .results import (
@@ -55,6 +56,7 @@ class ShadowRadixCache(
     PrefixMatching,
     StepExtension,
     DraftVerbs,
+    PendingVerbs,
     WindowTrim,
     TreeInsertion,
     EvictionPolicy,
