@@ -1,6 +1,7 @@
 """The decode step, a role of `Runner`: one token for every request in its decode phase (the
 HiSparse buffer's fit chosen in rotation), through the speculative decoder, the graph decoder
-or the paged forward."""
+or the paged forward; overlapped with the next step's scheduling where it can be (`overlap`),
+serialised (ending in a device synchronisation) otherwise."""
 
 from __future__ import annotations
 
@@ -8,25 +9,40 @@ import time
 
 import torch
 
-from .admission import Admission
-from .emission import Emission
-from .forward import Forward
+from .overlap import Overlap
 from .sequence import FailureStage, GenerationResult, _Seq
 
 
-class Decode(Admission, Forward, Emission):
+class Decode(Overlap):
     """The runner's decode forward of one step."""
 
     def _decode(self) -> list[GenerationResult]:
-        seqs = [s for s in self._running if s.decoding and s.result.finish_reason is None]
-        seqs = [s for s in seqs if s.req.length == s.num_tokens - 1]  # one token pending
+        seqs = self._decode_candidates()
+        if self.overlap and seqs and self._overlappable(seqs):
+            return self._decode_overlapped(seqs)
+        done = self._settle_inflight()  # a serialised step reads the step in flight first
+        if done or self.overlap:
+            seqs = self._decode_candidates()
         if self.offload is not None:
             seqs = self._fit_decode_batch(seqs)
         if not seqs:
-            return []
+            return done
+        self.stats.serialised_steps += self.overlap
         with self._isolated(seqs, FailureStage.DECODE):  # a raise fails these requests only
-            return self._run_decode(seqs)
-        return []
+            done += self._run_decode(seqs)
+        return done
+
+    def _decode_candidates(self) -> list[_Seq]:
+        """The decoding requests with one token to compute: sampled and not yet extended, or
+        (overlap) still on the device, in the step in flight."""
+        step, out = self._inflight, []
+        for s in self._running:
+            if not s.decoding or s.result.finish_reason is not None:
+                continue
+            behind = s.num_tokens - s.req.length
+            if behind == 1 or (behind == 0 and step is not None and step.row_of(s) is not None):
+                out.append(s)
+        return out
 
     def _run_decode(self, seqs: list[_Seq]) -> list[GenerationResult]:
         if self.spec is not None:
@@ -38,7 +54,8 @@ class Decode(Admission, Forward, Emission):
         if self.decoder is None:
             logits = self._forward(seqs, chunks, alloc, list(range(len(seqs))))
         else:
-            logits = self._graph_forward(seqs, [c[0] for c in chunks], alloc.deltas)
+            deltas = self._take_table_deltas() + list(alloc.deltas)
+            logits = self._graph_forward(seqs, [c[0] for c in chunks], deltas)
         self.stats.decode_tokens += len(seqs)
         return self._emit_all(seqs, logits)
 

@@ -42,12 +42,18 @@ class Emission(RunnerBase):
             res.finish_reason = "length"
         else:
             return []
+        self._finish(seq)
+        return [res]
+
+    def _finish(self, seq: _Seq) -> None:
+        """Finishes the running ``seq`` in the cache (its committed pages inserted) and takes
+        it off the running set; its result is complete but for, under overlap scheduling, the
+        token still in flight."""
         assert seq.request is not None
         self.cache.finish(seq.request)
         seq.request = None
         self._running.remove(seq)
-        self.stats.approximate_results += res.approximate
-        return [res]
+        self.stats.approximate_results += seq.result.approximate
 
     @contextmanager
     def _isolated(self, seqs: list[_Seq], stage: FailureStage) -> Iterator[None]:

@@ -169,7 +169,7 @@ def _paths_line(runner: Runner) -> str:
     p = runner.paths
     kern = "Triton kernels" if p.kernels == "triton" else "torch references (no fused kernels)"
     copies = f", HiSparse copies {p.hisparse_copies}" if p.hisparse_copies else ""
-    return f"paths: {kern}, decode {p.decode}{copies}"
+    return f"paths: {kern}, decode {p.decode} ({p.scheduling}){copies}"
 
 
 def summary(runner: Runner, results: list[GenerationResult], wall: float) -> str:

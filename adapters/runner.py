@@ -39,6 +39,7 @@ from .formats import CacheFormat
 from .graph_decode import GraphDecoder
 from .memory_plan import prefill_budget
 from .model_config import ModelConfig
+from .overlap import check_overlap
 from .pools import KVPools, pool_bytes
 from .prefill import Prefill
 from .runner_stats import ExecutionPaths, RunnerStats
@@ -110,6 +111,10 @@ class Runner(Prefill, Decode):
     ``finish_reason="error"`` and a `RequestFailure` (the exception, typed), their cache state
     released, and `step` / `run` / `generate` return as usual (`Emission._isolated`).
 
+    ``overlap``: the host schedules decode step N+1 while the device runs step N (`Overlap`;
+    default: with CUDA graphs); needs the graph decoder (`ValueError` with speculation,
+    HiSparse or ``graph_decode=False``); `paths` names it.
+
     ``index_format`` / ``swa_format``: the cache format of the C4 indexer keys / of the window
     KV (`formats.CacheFormat.FP8`: e4m3 with a power-of-two scale per row, about half the
     bytes; docs/formats.md)."""
@@ -132,6 +137,7 @@ class Runner(Prefill, Decode):
         index_format: CacheFormat = CacheFormat.BF16,
         swa_format: CacheFormat = CacheFormat.BF16,
         schedule: SchedulePolicy = SchedulePolicy.LPM,
+        overlap: bool | None = None,
     ) -> None:
         self.device = resolve_device(device)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -196,12 +202,12 @@ class Runner(Prefill, Decode):
             else None
         )
         self.spec_tokens = speculative_tokens or 0
-        self.spec = (
-            SpeculativeDecoder(self, self.spec_tokens, draft, graph_decode)
-            if draft is not None
-            else None
-        )
+        self.spec = None
+        if draft is not None:
+            self.spec = SpeculativeDecoder(self, self.spec_tokens, draft, graph_decode)
         self.memory = prefill_budget(model, dtype, self.device, memory_budget)
+        self.overlap = check_overlap(overlap, self.decoder, self.spec, self.offload)
+        self._inflight, self._table_deltas = None, []
         self._step_hidden: torch.Tensor | None = None
         self._waiting = WaitingQueue(self.cache, schedule)
         self._running: list[_Seq] = []
@@ -233,8 +239,10 @@ class Runner(Prefill, Decode):
 
     @property
     def num_pending(self) -> int:
-        """Requests submitted and not finished (waiting or running)."""
-        return len(self._waiting) + len(self._running)
+        """Requests submitted and not finished (waiting, running, or awaiting their last token
+        from the step in flight)."""
+        step = self._inflight
+        return len(self._waiting) + len(self._running) + (step.num_closing if step else 0)
 
     @property
     def paths(self) -> ExecutionPaths:
@@ -247,7 +255,8 @@ class Runner(Prefill, Decode):
             decode = "cuda graphs" if self.decoder.use_graphs else "eager"
         fused = kernels.SPARSE_KERNELS and kernels.TRITON_AVAILABLE and self.device.type == "cuda"
         copies = self.offload.copy_path if self.offload is not None else None
-        return ExecutionPaths("triton" if fused else "torch", decode, copies)
+        scheduling = "overlapped" if self.overlap else "serialised"
+        return ExecutionPaths("triton" if fused else "torch", decode, copies, scheduling)
 
     @property
     def num_prefilling(self) -> int:
@@ -259,7 +268,9 @@ class Runner(Prefill, Decode):
     def step(self) -> list[GenerationResult]:
         """Admits, runs one prefill forward and one decode forward; returns finished results,
         those a failed forward finished with ``finish_reason="error"`` included (a forward
-        that raises fails its own requests only: nothing is raised here for it)."""
+        that raises fails its own requests only: nothing is raised here for it). With overlap
+        scheduling the decode forward is launched and the previous step's is read back: its
+        tokens are emitted and its results returned by this call."""
         self._clock += 1
         self.stats.steps += 1
         self._admit()

@@ -1,6 +1,7 @@
 """The fields of a `Runner`, declared once for the roles its class is made of (`admission`,
-`forward`, `emission`, `prefill`, `decode`): types only, every one set by `Runner.__init__`.
-Each role reads and updates them as the runner's own state; nothing here runs."""
+`forward`, `emission`, `prefill`, `decode`, `overlap`): types only, every one set by
+`Runner.__init__`. Each role reads and updates them as the runner's own state; nothing here
+runs."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shadowradix import ShadowRadixCache
+from shadowradix import PageTableDelta, ShadowRadixCache
 
 from .graph_decode import GraphDecoder
+from .inflight import InFlightStep
 from .memory_plan import PrefillBudget
 from .model_config import ModelConfig
 from .pools import KVPools
@@ -53,8 +55,14 @@ class RunnerBase:
     _running: list[_Seq]
     _next_id: int
     _unclaimed: list[GenerationResult]
-    #: results finished by an isolated failure, returned by the step they happened in
+    #: results finished outside the forward that returns them (an isolated failure, a step in
+    #: flight read back early for a preemption), returned by the step they happened in
     _salvaged: list[GenerationResult]
+    #: overlap scheduling (`overlap`): the decode step launched and not yet read back, and the
+    #: table changes of decoding requests not yet given to the graph decoder
+    overlap: bool
+    _inflight: InFlightStep | None
+    _table_deltas: list[PageTableDelta]
     #: steps taken (admission order, the HiSparse decode rotation)
     _clock: int
     on_logits: Callable[[list[GenerationResult], torch.Tensor], None] | None

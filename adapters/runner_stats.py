@@ -31,6 +31,12 @@ class RunnerStats:
     shared_prefill_waits: int = 0
     #: requests finished with an error because a forward over them raised
     failed_requests: int = 0
+    #: overlap scheduling: decode steps launched overlapped, decode steps of an overlapping
+    #: runner that ran serialised (a non-greedy request, ``on_logits``), and pending tokens
+    #: dropped because their request had stopped one step earlier (computed, never kept)
+    overlapped_steps: int = 0
+    serialised_steps: int = 0
+    late_stop_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -39,8 +45,10 @@ class ExecutionPaths:
     ``kernels``: ``triton`` (the fused kernels) or ``torch`` (their references: a CPU run, or
     no Triton); ``decode``: ``cuda graphs``, ``eager`` (the graph decoder without capture),
     ``paged`` (the paged path: HiSparse, or graphs off) or ``speculative``; ``hisparse_copies``:
-    `C4Offload.copy_path` (None without HiSparse)."""
+    `C4Offload.copy_path` (None without HiSparse); ``scheduling``: ``overlapped`` (the host
+    schedules decode step N+1 while the device runs step N) or ``serialised``."""
 
     kernels: str
     decode: str
     hisparse_copies: str | None = None
+    scheduling: str = "serialised"
