@@ -105,8 +105,8 @@ class DeviceTables:
         v_end, s_base, s_end = _extent(r)
         if max(v_end, s_end) > self.num_pages:
             raise ValueError(f"request {r.id}: {max(v_end, s_end)} pages exceed the tables")
-        self._writes[Pool.FULL].append((i, 0, np.asarray(r.vpages, dtype=I64)))
-        self._writes[Pool.SWA].append((i, s_base, r.swa_pages))
+        self._writes[Pool.FULL].append((i, 0, r.vpages.tolist()))
+        self._writes[Pool.SWA].append((i, s_base, list(r.swa_pages)))
         self._rows[i] = _Row(r.id, v_end, s_base, s_end)
         self._row_of[r.id] = i
 
@@ -138,15 +138,18 @@ def _extent(r: Request) -> tuple[int, int, int]:
 
 def _scatter_index(writes: list[tuple[int, int, Pages]], num_pages: int) -> np.ndarray:
     """``(3, n)`` rows, columns and ids of ``writes`` (row, first column, ids), later writes
-    winning where two hit one entry (a scatter with duplicate indices is unordered)."""
-    rows, cols, vals = [], [], []
+    winning where two hit one entry (a scatter with duplicate indices is unordered). Built
+    with list appends: a decode step's writes are one id each."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[int] = []
     for i, first, pages in writes:
         n = len(pages)
-        rows.append(np.full(n, i, dtype=I64))
-        cols.append(np.arange(first, first + n, dtype=I64))
-        vals.append(np.asarray(pages, dtype=I64))
-    idx = np.stack([np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)])
-    if len(writes) > 1:
+        rows += [i] * n
+        cols += range(first, first + n)
+        vals += pages
+    idx = np.array([rows, cols, vals], dtype=I64)
+    if len({w[0] for w in writes}) < len(writes):  # a row written twice: keep the last ids
         keys = idx[0] * num_pages + idx[1]
         _, last = np.unique(keys[::-1], return_index=True)
         idx = idx[:, len(keys) - 1 - last]
