@@ -68,6 +68,7 @@ class PrefixMatching:
         replay_gain = cached_len - self.config.window
         if self.config.bounded_replay and replay_gain > prefix_len:
             return self._sealed(
+                walk.nodes[-1],
                 MatchResult(
                     len(arr),
                     cached_len,
@@ -82,10 +83,11 @@ class PrefixMatching:
                     True,
                     self,
                     namespace,
-                )
+                ),
             )
         source = WindowSource.LIVE if prefix_len else WindowSource.NONE
         return self._sealed(
+            walk.nodes[-1] if walk.nodes else root,
             MatchResult(
                 len(arr),
                 cached_len,
@@ -100,11 +102,12 @@ class PrefixMatching:
                 self._any_approximate(walk, node),
                 self,
                 namespace,
-            )
+            ),
         )
 
-    def _sealed(self, match: MatchResult) -> MatchResult:
+    def _sealed(self, walk_end: Node, match: MatchResult) -> MatchResult:
         object.__setattr__(match, "_seal", self)
+        object.__setattr__(match, "_walk_end", walk_end)
         return match
 
     @staticmethod
@@ -147,6 +150,9 @@ class PrefixMatching:
         self._check_match(arr, match)
         if match.version == self._tree.version:
             return match
+        moved = self._revalidated(match)
+        if moved is not None:
+            return moved
         if len(match.tokens):
             fresh = self.match_prefix(match.tokens, namespace=match.namespace)
         else:  # an empty match (max_len=0) stays empty: re-take it on the admitted tokens
@@ -174,3 +180,39 @@ class PrefixMatching:
         n = match.prefix_len
         if len(arr) < n or not (arr[:n] == match.tokens[:n]).all():
             raise InvalidRequestError("tokens do not start with the matched prefix")
+
+    def _revalidated(self, match: MatchResult) -> MatchResult | None:
+        """``match`` carried over to the current tree without walking its tokens again, when no
+        change since it was taken can alter it; ``None`` when one may have (match again).
+
+        Splits (another admission cutting a node it walked through) move no page: the match
+        holds, its node is whichever now contains its end. It may be altered only by a change
+        of a node on the path down to where the walk ended (SWA tombstoned or revived, the
+        walk's last node removed: each stamps ``node.changed``) or by growth right where the
+        walk ended (a new child, appended pages: ``node.grown``). O(path nodes)."""
+        p, v = self.config.page_size, match.version
+        walk_end = match._walk_end
+        assert walk_end is not None  # sealed matches record it
+        node = _containing(walk_end, match.cached_len // p)
+        if node.grown > v:
+            return None
+        up: Node | None = node
+        while up is not None:
+            if up.changed > v:
+                return None
+            up = up.parent
+        end = (match.cached_len if match.is_replay else match.prefix_len) // p
+        at = _containing(node, end)
+        fresh = MatchResult(match.query_len, match.cached_len, match.prefix_len, match.hit_len,
+                            match.window, match.replay_start, at, end - at.start_page,
+                            self._tree.version, match.tokens, match.approximate, self,
+                            match.namespace)  # fmt: skip
+        return self._sealed(node, fresh)
+
+
+def _containing(node: Node, end_page: int) -> Node:
+    """The node on ``node``'s root path that holds page ``end_page - 1`` (splits above a node
+    only ever move its start forward): ``node`` itself unless a split cut it before the end."""
+    while node.parent is not None and node.start_page >= end_page:
+        node = node.parent
+    return node

@@ -37,6 +37,8 @@ class Node:
         "lru_keys",
         "lru_tiers",
         "approximate",
+        "changed",
+        "grown",
     )
 
     def __init__(
@@ -67,6 +69,11 @@ class Node:
         self.lru_tiers = (0, 0, 0)
         #: computed downstream of a bounded replay (not bit-identical to a cold prefill)
         self.approximate = False
+        #: tree versions of the last change that can alter a match through this node (its
+        #: pages' SWA, its removal) and of the last that can lengthen a match ending at its end
+        #: (a new child, pages appended); a split copies both to the new upper node
+        self.changed = 0
+        self.grown = 0
 
     @property
     def num_pages(self) -> int:

@@ -120,6 +120,7 @@ class RadixTree:
         upper.swa_locks = {w: c for w, c in node.swa_locks.items() if w < upper.end_page}
         upper.last_access = node.last_access
         upper.approximate = node.approximate
+        upper.changed, upper.grown = node.changed, node.grown  # same pages: matches hold
         node.parent.children[node.key] = upper  # type: ignore[union-attr]
         node.tokens = node.tokens[num_pages * p :]
         node.vpages = node.vpages[num_pages:]
@@ -151,6 +152,7 @@ class RadixTree:
                                  parent.end_page, approximate)  # fmt: skip
         parent.children[key] = leaf
         self.version += 1
+        parent.grown = leaf.changed = self.version  # a walk ending at parent may go on
         self.index.update(leaf)
         if len(parent.children) == 1:
             self.index.update(parent)  # it stopped being a leaf
@@ -173,6 +175,7 @@ class RadixTree:
         leaf.vpages = np.concatenate((leaf.vpages, vpages))
         leaf.swa_pages = np.concatenate((leaf.swa_pages, swa_pages))
         self.version += 1
+        leaf.changed = leaf.grown = self.version
         self.index.update(leaf)
 
     def remove_leaf(self, leaf: Node) -> tuple[np.ndarray, np.ndarray]:
@@ -185,6 +188,7 @@ class RadixTree:
         self.index.remove(leaf)
         self.index.child_removed(parent)
         self.version += 1
+        leaf.changed = self.version
         return leaf.vpages, leaf.swa_pages
 
     def tombstone(self, node: Node, num_pages: int) -> np.ndarray:
@@ -194,6 +198,7 @@ class RadixTree:
         if self.events is not None:
             self.events.tombstoned(node.vpages[lf : lf + len(freed)], freed, node.start_page + lf)
         self.version += 1
+        node.changed = self.version
         self.index.tombstoned(node, len(freed))
         return freed
 
@@ -212,6 +217,7 @@ class RadixTree:
                                 node.vpages[lf : lf + len(swa_pages)], swa_pages,
                                 node.start_page + lf)  # fmt: skip
         self.version += 1
+        node.changed = self.version
         self.index.update(node)
 
     def _chain_after(self, node: Node | None) -> int:

@@ -55,6 +55,9 @@ class MatchResult:
     #: set by `match_prefix` only, never by ``__init__``: a copy made with
     #: ``dataclasses.replace`` (or built by hand) has none, and `admit` refuses it
     _seal: object = field(init=False, repr=False, default=None)
+    #: the deepest node the match walked into (the root when none), set with ``_seal``: from
+    #: it `admit` re-checks the path instead of walking the tokens again
+    _walk_end: Node | None = field(init=False, repr=False, default=None, compare=False)
 
     @property
     def replayed_len(self) -> int:
