@@ -14,7 +14,8 @@ ints; only ``xp``-taking functions need the namespace (``numpy`` or ``torch``), 
     its rows                  [group_first(g, r, overlap), group_end(g, r)]
     in-flight rows at length  [first_inflight(L, r, overlap), L)
     visible entries at pos    visible_entries(pos, r) = (pos + 1) // r
-    window at length L        [window_first(L, W), L): the query at pos sees the window at pos+1
+    window at length L        [window_first(L, W), L): the query at pos sees the window at pos+1;
+                              its pages from window_first_page(L, W, P)
 
 Preconditions, because NumPy and torch share exactly these semantics only there:
 
@@ -119,6 +120,14 @@ def window_first(length: Ints, window: int) -> Ints:
     the window reaches before position 0. The query at ``pos`` attends to the window at
     ``pos + 1`` (itself included)."""
     return length - window
+
+
+def window_first_page(
+    length: Ints, window: int, page_size: int, xp: ModuleType | None = None
+) -> Ints:
+    """The first page of the window at ``length`` (page 0 when it reaches before position 0):
+    the SWA pages a request or a match must hold from."""
+    return page_of(clamp_low(window_first(length, window), xp), page_size)
 
 
 def clamp_low(x: Ints, xp: ModuleType | None = None, low: int = 0) -> Ints:

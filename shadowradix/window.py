@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import slots
 from .node import Node
 from .request import Request
 
@@ -53,7 +54,8 @@ class WindowTrim:
         whether any page was dropped (the SWA lock then needs re-taking)."""
         p = self.config.page_size
         request.released_at = max(request.released_at, computed_len)
-        new_base = max(0, request.released_at // p * p - self.config.window) // p
+        boundary = slots.page_of(request.released_at, p) * p  # F
+        new_base = slots.window_first_page(boundary, self.config.window, p)
         drop = new_base - request.swa_base
         if drop <= 0:
             return False

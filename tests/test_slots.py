@@ -64,6 +64,12 @@ def test_formulas_agree_under_numpy_torch_and_python_ints(p, r, ring, overlap, w
         (slots.visible_entries, (pos, r), (pos_t, r), lambda x, _: (x + 1) // r),
         (slots.window_first, (pos, w), (pos_t, w), lambda x, _: x - w),
         (
+            slots.window_first_page,
+            (pos, w, p, np),
+            (pos_t, w, p, torch),
+            lambda x, _: max(0, x - w) // p,
+        ),
+        (
             slots.first_inflight,
             (pos, r, overlap, np),
             (pos_t, r, overlap, torch),
@@ -74,14 +80,10 @@ def test_formulas_agree_under_numpy_torch_and_python_ints(p, r, ring, overlap, w
     for fn, np_args, torch_args, formula in cases:
         want = [formula(x, g) for x, g in pairs]
         _same(np.asarray(fn(*np_args)), fn(*torch_args), want)
-        # the int path (the oracle's, the core's scalars) is the same formula
-        scalar = [a if not isinstance(a, np.ndarray) else None for a in np_args]
-        if fn is not slots.first_inflight:
-            for (x, g), expected in zip(pairs, want):
-                args = [x if a is pos else g if a is pages else a for a in np_args]
-                assert fn(*args) == expected, (fn.__name__, x, g)
-        else:
-            assert [fn(x, *scalar[1:3]) for x in xs] == want
+        # the int path (the oracle's, the core's scalars: no namespace) is the same formula
+        for (x, g), expected in zip(pairs, want):
+            args = [x if a is pos else g if a is pages else None if a is np else a for a in np_args]
+            assert fn(*args) == expected, (fn.__name__, x, g)
 
 
 @given(st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=16), st.integers(-5, 5))
