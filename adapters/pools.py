@@ -4,6 +4,10 @@ Every tensor has one extra *sentinel* row at the end (index ``capacity``): fixed
 CUDA-graph decode) sends the writes of padding rows and of groups that did not complete there,
 and never reads it unmasked. The core never hands out that index.
 
+Rows exist for the pools' *live* capacities only (the core keeps every id in use below them):
+a re-balance moves pages and resizes the tensors (`pool_resize.apply_rebalance`), bumping
+``generation`` so that code holding tensor addresses (captured CUDA graphs) rebuilds them.
+
 Per layer: an SWA pool (one latent per SWA slot). Per KV-source layer (every compressed layer
 without V4.1 sharing; `ModelConfig.kv_sources` with it): its compressed KV pool (one entry per
 compressed slot of its stream) and its in-flight ring (one fp32 row per ring row: ``[kv |
@@ -31,10 +35,12 @@ class PoolBytes:
     compressed: int
     index: int
     rings: int
+    #: the MTP layer's page hidden states and the tail-only validity flags
+    other: int = 0
 
     @property
     def total(self) -> int:
-        return self.swa + self.compressed + self.index + self.rings
+        return self.swa + self.compressed + self.index + self.rings + self.other
 
 
 def _row_width(model: ModelConfig, ratio: int, dim: int) -> int:
@@ -155,7 +161,10 @@ class KVPools:
         self.model, self.cache = model, cache
         self.device, self.dtype = torch.device(device), dtype
         self.state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        swa_slots = cache.max_swa_pages * cache.page_size
+        #: live capacities in pages (`apply_rebalance` moves them); bumped on every resize
+        self.full_pages, self.swa_pages = cache.num_full_pages, cache.num_swa_pages
+        self.generation = 0
+        swa_slots = cache.num_swa_pages * cache.page_size
         self.index_format, self.swa_format = index_format, swa_format
         self._scales: list[tuple[torch.Tensor, torch.Tensor, CacheFormat]] = []
         self.swa = [
@@ -164,14 +173,16 @@ class KVPools:
         self.page_hidden: torch.Tensor | None = None
         if mtp:
             self.swa.append(self._zeros(swa_slots, model.head_dim))
-            self.page_hidden = self._zeros(cache.max_swa_pages, model.hidden)
+            self.page_hidden = self._zeros(cache.num_swa_pages, model.hidden)
         self.compressed: dict[int, torch.Tensor] = {}
         self.ring: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
         self.index_ring: dict[int, torch.Tensor] = {}
         for layer in model.kv_source_layers:
             ratio = model.compress_ratios[layer]
-            slots, rows = cache.compressed_capacity(ratio), cache.ring_capacity(ratio)
+            spec = cache.stream(ratio)
+            slots = cache.num_full_pages * spec.slots_per_page
+            rows = cache.num_swa_pages * spec.ring_len
             if not (offload_c4 and ratio == 4):  # HiSparse keeps C4 KV in its host mirror
                 self.compressed[layer] = self._zeros(slots, model.head_dim)
             self.ring[layer] = self._state(rows, _row_width(model, ratio, model.head_dim))
@@ -235,6 +246,7 @@ class KVPools:
             compressed=size(list(self.compressed.values())),
             index=size(list(self.index_keys.values())),
             rings=size(list(self.ring.values()) + list(self.index_ring.values())),
+            other=size([t for t in (self.page_hidden, self.late_swa_valid) if t is not None]),
         )
 
 

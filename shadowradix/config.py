@@ -98,8 +98,9 @@ class CacheConfig:
     """Everything the core needs to know about the model and the pools.
 
     All lengths and capacities are in raw tokens; capacities must be whole pages.
-    ``max_*_capacity`` bound the slot-id spaces the adapters allocate; ``rebalance`` may move the
-    live capacities anywhere up to them (they default to the initial capacities).
+    ``max_*_capacity`` bound how far ``rebalance`` may grow the live capacities (they default to
+    the initial capacities); page ids in use always stay below the live capacity, so adapters
+    allocate rows for the live capacities only.
     """
 
     page_size: int = 64
@@ -244,11 +245,11 @@ class CacheConfig:
         return min(bounds) if bounds else None
 
     def compressed_capacity(self, ratio: int) -> int:
-        """Slots the adapter must allocate for one layer of the ``ratio`` stream."""
+        """Slots one layer of the ``ratio`` stream needs at the pool's maximum capacity."""
         return self.max_full_pages * self.stream(ratio).slots_per_page
 
     def ring_capacity(self, ratio: int) -> int:
-        """Ring rows the adapter must allocate for one layer of the ``ratio`` stream."""
+        """Ring rows one layer of the ``ratio`` stream needs at the SWA pool's maximum."""
         return self.max_swa_pages * self.stream(ratio).ring_len
 
     def stream(self, ratio: int) -> StreamSpec:
@@ -266,29 +267,37 @@ class CacheConfig:
         full_bytes_per_token: float,
         swa_bytes_per_token: float,
         page_size: int = 64,
+        fixed_bytes: int = 0,
         **kwargs: object,
     ) -> CacheConfig:
         """Split a byte budget between the full (compressed) and the SWA pools.
 
         ``swa_full_tokens_ratio`` is SGLang's knob: SWA tokens per full token. Per-token byte
-        costs come from the model (all layers together, compressed pools amortised per token).
-        The slot-id spaces (``max_*_capacity``) are sized for the whole budget going to either
-        pool, so ``cache.rebalance(*split_budget(...))`` can move the split at run time.
+        costs come from the model (all layers together, compressed pools amortised per token);
+        ``fixed_bytes`` is what the pools cost whatever their sizes (their sentinel rows) and
+        comes off the budget first. Pools with rows for the live capacities then hold at most
+        ``total_bytes`` (`adapters.pool_budget.budget_cache_config` measures the costs).
+        ``max_*_capacity`` bound how far `rebalance` may grow each pool later: the whole
+        budget in that pool (the caller keeps the sum within the budget: `split_budget`).
         """
+        total = _finite("total_bytes", total_bytes) - _finite("fixed_bytes", fixed_bytes)
+        if fixed_bytes < 0 or total <= 0:
+            raise ConfigError(f"fixed_bytes={fixed_bytes} leaves no budget of {total_bytes}")
         full, swa = split_budget(
-            total_bytes, swa_full_tokens_ratio, full_bytes_per_token, swa_bytes_per_token, page_size
+            total, swa_full_tokens_ratio, full_bytes_per_token, swa_bytes_per_token, page_size
         )
         kwargs.setdefault(
-            "max_full_capacity", int(total_bytes // full_bytes_per_token) // page_size * page_size
+            "max_full_capacity",
+            max(full, int(total // full_bytes_per_token) // page_size * page_size),
         )
         kwargs.setdefault(
-            "max_swa_capacity", int(total_bytes // swa_bytes_per_token) // page_size * page_size
+            "max_swa_capacity", max(swa, int(total // swa_bytes_per_token) // page_size * page_size)
         )
         return cls(page_size=page_size, full_capacity=full, swa_capacity=swa, **kwargs)  # type: ignore[arg-type]
 
 
 def split_budget(
-    total_bytes: int,
+    total_bytes: float,
     swa_full_tokens_ratio: float,
     full_bytes_per_token: float,
     swa_bytes_per_token: float,
@@ -299,7 +308,7 @@ def split_budget(
     page_size = as_int("page_size", page_size)
     if page_size not in SUPPORTED_PAGE_SIZES:
         raise ConfigError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
-    total_bytes = _finite("total_bytes", total_bytes)  # type: ignore[assignment]
+    total_bytes = _finite("total_bytes", total_bytes)
     swa_full_tokens_ratio = _finite("swa_full_tokens_ratio", swa_full_tokens_ratio)
     full_bytes_per_token = _finite("full_bytes_per_token", full_bytes_per_token)
     swa_bytes_per_token = _finite("swa_bytes_per_token", swa_bytes_per_token)
