@@ -45,8 +45,12 @@ def add_run_parser(sub) -> None:
     run.add_argument(
         "--model",
         default="tiny",
-        help="model preset: tiny | flash-shaped | tiny-shared | flash-shared (default tiny)",
+        help="model preset: tiny | tiny-trained | flash-shaped | tiny-shared | flash-shared "
+        "(default tiny)",
     )
+    run.add_argument("--weights", metavar="PATH",
+                     help="trained weights (safetensors, `python -m adapters.train`); the "
+                     "tiny-trained preset loads its shipped file by default")  # fmt: skip
     run.add_argument("--layers", type=positive,
                      help="keep only the first N layers of the preset")  # fmt: skip
     run.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")

@@ -225,8 +225,13 @@ SHARED_LAYERS = dict(
 TINY_SHARED = replace(TINY, name="tiny-shared", **SHARED_LAYERS)  # type: ignore[arg-type]
 FLASH_SHARED = replace(FLASH_SHAPED, name="flash-shared", **SHARED_LAYERS)  # type: ignore[arg-type]
 
+#: ``tiny``'s shape, with trained weights shipped in the package (`adapters.weights_file.SHIPPED`,
+#: docs/training.md); ``Runner`` alone still draws random weights for it
+TINY_TRAINED = replace(TINY, name="tiny-trained")
+
 PRESETS = {
     "tiny": TINY,
+    "tiny-trained": TINY_TRAINED,
     "flash-shaped": FLASH_SHAPED,
     "tiny-shared": TINY_SHARED,
     "flash-shared": FLASH_SHARED,

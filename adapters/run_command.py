@@ -11,11 +11,14 @@ from tqdm import tqdm
 
 from shadowradix import InvalidRequestError
 
+from .device import resolve_device
 from .formats import CacheFormat
-from .model_config import preset
+from .model_config import ModelConfig, preset
 from .runner import GenerationResult, Runner, SchedulePolicy
 from .sampling import SamplingParams
 from .tokenizer import ByteTokenizer
+from .weights import ModelWeights
+from .weights_file import SHIPPED, load_shipped, load_weights
 
 
 def build_runner(args: argparse.Namespace) -> Runner:
@@ -29,10 +32,14 @@ def build_runner(args: argparse.Namespace) -> Runner:
         bounded_replay=args.bounded_replay,
         speculative=args.speculative is not None,
     )
+    device = resolve_device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the Runner's default
     return Runner(
         model,
         cache,
-        device=args.device,
+        device=device,
+        dtype=dtype,
+        weights=_weights(args, model, device, dtype),
         chunk_tokens=args.chunk_tokens,
         max_running=args.max_running,
         hisparse_pages=args.hisparse_pages,
@@ -43,6 +50,24 @@ def build_runner(args: argparse.Namespace) -> Runner:
         swa_format=CacheFormat[args.swa_format.upper()],
         schedule=SchedulePolicy(args.schedule),
     )
+
+
+def _weights(
+    args: argparse.Namespace, model: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> ModelWeights | None:
+    """``--weights PATH``, else a trained preset's shipped file (checked against its recorded
+    SHA-256), else ``None``: the preset's seeded random weights. Raises `WeightsError`."""
+    if getattr(args, "weights", None) is not None:
+        return load_weights(args.weights, model, device, dtype)
+    if model.name in SHIPPED:
+        return load_shipped(model, device, dtype)
+    return None
+
+
+def _weights_source(args: argparse.Namespace, model: ModelConfig) -> str:
+    if getattr(args, "weights", None) is not None:
+        return str(args.weights)
+    return "shipped trained" if model.name in SHIPPED else f"random (seed {model.seed})"
 
 
 def _budget_bytes(gib: float | None) -> int | None:
@@ -59,7 +84,8 @@ def run_command(args: argparse.Namespace, texts: list[str]) -> int:
     params = SamplingParams(args.max_new_tokens, args.temperature, args.seed, stop_token=tok.eos)
     print(
         f"shadowradix run: model {runner.model.name} ({runner.model.num_layers} layers, ratios "
-        f"{runner.model.compress_ratios}), {runner.weights.dtype} on {runner.device}, page "
+        f"{runner.model.compress_ratios}), {_weights_source(args, runner.model)} weights in "
+        f"{runner.weights.dtype} on {runner.device}, page "
         f"{runner.cache.config.page_size}, pools {runner.cache.config.full_capacity} full / "
         f"{runner.cache.config.swa_capacity} SWA tokens, {len(texts)} prompt(s)",
         flush=True,
