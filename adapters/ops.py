@@ -83,7 +83,8 @@ def hc_mix(
     flat = streams.reshape(n, s * d)
     acc = acc_dtype(flat)
     # rms_norm(flat) @ W == rstd * (flat @ diag(norm) W): no normalised copy of the wide rows
-    ms = torch.linalg.vector_norm(flat, dim=-1, dtype=acc).square_() / (s * d)
+    # (square() not square_(): training differentiates this, and autograd keeps the norm)
+    ms = torch.linalg.vector_norm(flat, dim=-1, dtype=acc).square() / (s * d)
     z = (flat @ hc.w_folded).to(acc) * torch.rsqrt(ms + eps)[:, None]
     pre = torch.sigmoid(z[:, :s] + hc.b_pre.to(acc)).to(streams.dtype)
     post = (2.0 * torch.sigmoid(z[:, s : 2 * s] + hc.b_post.to(acc))).to(streams.dtype)

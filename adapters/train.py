@@ -1,0 +1,124 @@
+"""``python -m adapters.train``: trains the ``tiny-trained`` preset and its MTP layer on the KJV
+corpus and writes its weights (docs/training.md).
+
+``--device cpu`` is a smoke run (the committed fixture excerpt unless ``--corpus``, a few
+steps); ``--device cuda`` the real run on the full corpus (``python -m adapters.corpus fetch``
+first). ``--ship`` writes the package's file (``adapters/trained/``) and prints the SHA-256 line
+to record in `adapters.weights_file.SHIPPED`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .corpus import DEFAULT_DIR, FIXTURE_DIR, CorpusError, load_split
+from .device import resolve_device
+from .training.loop import TrainConfig, TrainResult, train
+from .weights_file import SHIPPED, save_weights
+
+#: the smoke run (CPU) and the real run (one H200: about 8 minutes, docs/training.md)
+PROFILES = {
+    "cpu": dict(steps=8, batch=2, seq_len=256, warmup=2, log_every=2, eval_bytes=2 * 1024),
+    "cuda": dict(steps=3000, batch=16, seq_len=2048, warmup=200, log_every=100),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m adapters.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default)")
+    p.add_argument("--preset", default="tiny-trained", help="model preset (default tiny-trained)")
+    p.add_argument("--corpus", type=Path, help="split folder (default: data/kjv on CUDA, the "
+                   "committed fixture data/kjv_fixture on the CPU)")  # fmt: skip
+    for name in ("steps", "batch", "seq-len", "warmup", "log-every", "seed", "eval-bytes"):
+        p.add_argument(f"--{name}", type=int)
+    for name in ("lr", "mtp-weight", "aux-weight", "weight-decay"):
+        p.add_argument(f"--{name}", type=float)
+    p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
+    p.add_argument("--out", type=Path, help="weights file (default train_out/<preset>.safetensors)")
+    p.add_argument(
+        "--ship", action="store_true", help="write the package's file (adapters/trained)"
+    )
+    p.add_argument("--log", type=Path, help="JSON record of the run (default: next to --out)")
+    p.add_argument("--checkpoint", type=Path, help="resumable checkpoint (.pt), every 500 steps")
+    p.add_argument("--resume", type=Path, help="continue the run of this checkpoint")
+    p.add_argument("--budget-minutes", type=float, help="set --steps from the measured speed "
+                   "so that the run (with its evaluation) takes about this long")  # fmt: skip
+    p.add_argument("--max-minutes", type=float, help="stop early (checkpointed) after this long")
+    p.add_argument("--stop-at", type=int, help="stop (checkpointed) after this many steps")
+    return p
+
+
+def train_config(args: argparse.Namespace, device: torch.device) -> TrainConfig:
+    fields = dict(PROFILES["cuda" if device.type == "cuda" else "cpu"], preset=args.preset)
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(args, f.name, None)
+        if value is not None and f.name != "preset":
+            fields[f.name] = value
+    return TrainConfig(**fields, bf16=not args.fp32)  # type: ignore[arg-type]
+
+
+def _meta() -> dict[str, object]:
+    try:
+        from bench.meta import run_meta  # the repository's bench helpers, when run from its root
+
+        return run_meta()
+    except ImportError:
+        return dict(command=" ".join(sys.argv), date=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+
+
+def _record(path: Path, result: TrainResult, out: Path, sha: str) -> None:
+    record = dict(
+        meta=_meta(), train_config=dataclasses.asdict(result.config),
+        model_config=dataclasses.asdict(result.weights.config), weights=str(out), sha256=sha,
+        steps_done=result.steps_done, stopped_early=result.stopped_early, wall_s=result.wall_s,
+        train=result.train and dataclasses.asdict(result.train),
+        heldout=result.heldout and dataclasses.asdict(result.heldout), log=list(result.log),
+    )  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    tc = train_config(args, device)
+    corpus_dir = args.corpus or (DEFAULT_DIR if device.type == "cuda" else FIXTURE_DIR)
+    try:
+        corpus = load_split(corpus_dir, verify=corpus_dir == DEFAULT_DIR)
+    except CorpusError as exc:
+        print(f"train: error: {exc}", file=sys.stderr)
+        return 2
+    if args.ship and tc.preset not in SHIPPED:
+        print(f"train: error: preset {tc.preset!r} has no shipped file", file=sys.stderr)
+        return 2
+    out = SHIPPED[tc.preset].path if args.ship else args.out
+    out = out or Path("train_out") / f"{tc.preset}.safetensors"
+    print(f"train: {tc} on {device}, corpus {corpus_dir} ({len(corpus.train)} train / "
+          f"{len(corpus.heldout)} held-out bytes)", flush=True)  # fmt: skip
+    result = train(tc, corpus, device, checkpoint=args.checkpoint, resume=args.resume,
+                   max_minutes=args.max_minutes, budget_minutes=args.budget_minutes,
+                   stop_at=args.stop_at,
+                   log=lambda s: print(s, flush=True))  # fmt: skip
+    sha = save_weights(result.weights, out)
+    _record(args.log or out.with_suffix(".json"), result, out, sha)
+    early = " (stopped early: continue it with --resume)" if result.stopped_early else ""
+    print(f"train: {result.steps_done} steps in {result.wall_s:.0f} s{early}; weights {out} "
+          f"({out.stat().st_size} bytes), SHA-256 {sha}")  # fmt: skip
+    if args.ship:
+        print(f"record it in adapters/weights_file.py: SHIPPED[{tc.preset!r}] = "
+              f"ShippedWeights({out.name!r}, {sha!r})")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
