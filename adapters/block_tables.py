@@ -30,6 +30,8 @@ from shadowradix import PageTableDelta
 from shadowradix.locks import Pool
 from shadowradix.request import Request
 
+from .device import upload
+
 I64 = np.int64
 #: page ids: a delta's tuple, a request's table or an array
 Pages = Sequence[int] | np.ndarray
@@ -118,7 +120,7 @@ class DeviceTables:
             self._writes[pool] = []
             idx = _scatter_index(writes, self.num_pages)
             if idx.shape[1]:
-                dev = torch.from_numpy(idx).to(table.device)
+                dev = upload(idx, table.device)  # never waits for the step in flight
                 table[dev[0], dev[1]] = dev[2]
 
     def check(self, requests: Sequence[Request]) -> None:

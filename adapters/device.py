@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from shadowradix.errors import ShadowRadixError
@@ -16,6 +17,16 @@ class DeviceError(ShadowRadixError, ValueError):
 class PoolMemoryError(ShadowRadixError, ValueError):
     """The pools asked for do not fit in the device's free memory (raised before anything is
     allocated, so the caller can retry with smaller pools)."""
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` on ``device`` without waiting for the device: on CUDA a non-blocking copy from
+    pinned memory, queued on the current stream (a blocking or pageable copy waits for the
+    steps queued before it, which would undo overlap scheduling); elsewhere a plain copy."""
+    host = torch.from_numpy(array)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)  # pragma: no cover - needs a GPU
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -27,6 +27,7 @@ from shadowradix.request import Request
 from . import kernels, ops
 from .block_tables import DeviceTables
 from .buckets import context_bucket, power_bucket
+from .device import upload
 from .graph_meta import StepMeta, StreamMeta, step_metadata
 from .kernels import PoolRows
 from .model import LayerInput, compress_rows, forward
@@ -76,7 +77,7 @@ class DecodeBuffers:
             ],
             dtype=np.int64,
         )
-        head_t = torch.from_numpy(head).to(self.tokens.device, non_blocking=True)
+        head_t = upload(head, self.tokens.device)
         self.tokens.copy_(head_t[0])
         if isinstance(tokens, torch.Tensor):  # overlap: the previous step's, on the device
             self.tokens[:b].copy_(tokens)

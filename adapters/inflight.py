@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .device import upload
 from .sequence import _Seq
 
 
@@ -74,9 +75,5 @@ def input_tokens(seqs: list[_Seq], prev: InFlightStep | None) -> list[int] | tor
         ],
         dtype=np.int64,
     )
-    host = torch.from_numpy(packed)
-    dev = prev.sampled.device
-    if dev.type == "cuda":  # pragma: no cover - needs a GPU
-        host = host.pin_memory()  # an async upload: never waits for the step it follows
-    packed_t = host.to(dev, non_blocking=True)
+    packed_t = upload(packed, prev.sampled.device)
     return torch.where(packed_t[2].bool(), prev.sampled[packed_t[1]], packed_t[0])
