@@ -7,6 +7,10 @@ visibly."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -185,3 +189,20 @@ def test_the_option_says_what_it_covers() -> None:
     with pytest.raises(ValueError, match="speculative"):
         Runner(CFG, cc, device="cpu", chunk_tokens=64, graph_decode=True, speculative_tokens=2,
                overlap=True)  # fmt: skip
+
+
+def test_the_overhead_bench_runs_both_modes_interleaved() -> None:
+    """bench/runner_overhead.py's measurement on the CPU (the lead runs it on the H200): both
+    modes, the whole batch decoding in every timed step, the same tokens."""
+    path = Path(__file__).resolve().parents[1] / "bench/runner_overhead.py"
+    spec = importlib.util.spec_from_file_location("runner_overhead", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(device="cpu", batch=2, prompt_len=20, steps=2, page_size=PAGE,
+                              chunk_tokens=64, overlap="both", reps=1)  # fmt: skip
+    out = bench.run(args, CFG)
+    assert out["outputs_identical"] and set(out["summary"]) == {"on", "off"}
+    assert [r["overlap"] for r in out["rows"]] == [False, True]
+    assert all(r["decode_batch"] == [2, 2] for r in out["rows"])
+    assert "overlapped" in out["config"]["paths"]["on"]
