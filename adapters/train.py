@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     tc = train_config(args, device)
     corpus_dir = args.corpus or (DEFAULT_DIR if device.type == "cuda" else FIXTURE_DIR)
     try:
-        corpus = load_split(corpus_dir, verify=corpus_dir == DEFAULT_DIR)
+        corpus = load_split(corpus_dir, verify=corpus_dir.resolve() == DEFAULT_DIR)
     except CorpusError as exc:
         print(f"train: error: {exc}", file=sys.stderr)
         return 2

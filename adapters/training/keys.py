@@ -66,6 +66,13 @@ class TrainKeys:
         return torch.stack(self.kl).mean() if self.kl else None
 
     def attend(self, layer: LayerInput) -> torch.Tensor:
+        """The attention output ``(N, H, d)``. Everything here (compressors, indexer, attention)
+        computes in fp32 (fp64 for fp64) outside any autocast, as the runner's attention,
+        compressor and indexer accumulate; the projections around it may autocast."""
+        with torch.autocast(layer.q.device.type, enabled=False):
+            return self._attend(layer)
+
+    def _attend(self, layer: LayerInput) -> torch.Tensor:
         cfg, (b, t) = self.cfg, (self.batch, self.length)
         q = layer.q.view(b, t, cfg.num_heads, cfg.head_dim)
         dt = ops.acc_dtype(q)
@@ -134,6 +141,7 @@ class TrainKeys:
         """Entries ``(B, G, dim)`` of every complete group of each sequence (rows ``x``)."""
         b, t = self.batch, self.length
         positions = torch.arange(t, device=x.device)
+        x = x.to(ops.acc_dtype(x))
         rows = ops.compressor_rows(x.view(b, t, -1), comp, positions)  # (B, T, F)
         n = t // ratio
         grouped = rows[:, : n * ratio].reshape(b, n, ratio, rows.shape[-1])
@@ -184,7 +192,7 @@ class TrainKeys:
         source's indexer keys: ``sum_h w_h relu(q_h . k)`` (`ops.index_scores`, batched)."""
         cfg, idx, (b, t) = self.cfg, layer.weights.indexer, (self.batch, self.length)
         assert idx is not None
-        x = layer.x.detach()
+        x = layer.x.detach().to(ops.acc_dtype(layer.x))
         q = (x @ idx.w_q).view(b * t, cfg.index_heads, cfg.index_dim)
         q = ops.rope(q, layer.positions, cfg.rope_dim, cfg.rope_theta)
         w = (x @ idx.w_weight).view(b, t, cfg.index_heads)
