@@ -2,7 +2,9 @@
 queue's order (`waiting.WaitingQueue`: priority, then longest prefix first or arrival) with
 admission control (room for the whole request in both pools), preemption (the lowest priority,
 then the most recently admitted) when an extend runs out of pages or a higher-priority request
-waits for room, and how many tokens fit the HiSparse device buffer."""
+waits for room, and how many tokens fit the HiSparse device buffer. With a `PoolBalance`
+(``pool_balance``), a pool that starves while the other has room is first given the other's
+memory (`_rebalance`); only then are requests preempted."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shadowradix import CapacityError, InvalidRequestError, MatchResult
+from shadowradix import CapacityError, ConfigError, InvalidRequestError, MatchResult
 
+from .pool_balance import PoolBalance
+from .pool_resize import apply_rebalance
 from .runner_base import RunnerBase
 from .sampling import SamplingParams
 from .sequence import _Seq
@@ -140,6 +144,8 @@ class Admission(RunnerBase):
         preempted for it (the youngest of the lowest first); one of its own priority or higher
         never is. False if it still lacks room."""
         while len(self._running) >= self.max_running or (self._running and not self._fits(seq)):
+            if len(self._running) < self.max_running and self._rebalance_for(seq):
+                continue
             victim = self._victim(below=seq.priority)
             if victim is None:
                 return False
@@ -163,12 +169,58 @@ class Admission(RunnerBase):
 
     def _fits(self, seq: _Seq) -> bool:
         """Admission control: room for the whole request in both pools right now."""
+        return self._shortfall(seq) == (0, 0)
+
+    def _shortfall(self, seq: _Seq) -> tuple[int, int]:
+        """Pages (full, SWA) ``seq`` lacks for admission: the whole request in the full pool, a
+        chunk and its window in the SWA pool, beyond what is free or evictable now."""
         st, p = self.cache.stats(), self.cache.config.page_size
         need = -(-(seq.num_tokens + seq.params.max_new_tokens + self.spec_tokens) // p)
         full_room = st.full.free_pages + st.full.evictable_pages
         swa_room = st.swa.free_pages + st.swa.evictable_pages
         window_pages = -(-(self.cache.config.window + min(self.chunk_tokens, seq.num_tokens)) // p)
-        return need <= full_room and window_pages + 1 <= swa_room
+        return max(0, need - full_room), max(0, window_pages + 1 - swa_room)
+
+    #: run-time SWA / full re-balancing (`pool_balance.PoolBalance`; None: the split is fixed)
+    pool_balance: PoolBalance | None = None
+
+    def _rebalance_for(self, seq: _Seq) -> bool:
+        """Whether a re-balance now gives ``seq`` the room it lacks in one pool (only one may
+        starve: the other gives)."""
+        full, swa = self._shortfall(seq)
+        if full and swa:
+            return False
+        return self._rebalance("full" if full else "swa", max(full, swa))
+
+    def _rebalance(self, short_pool: str, shortfall_pages: int, force: bool = False) -> bool:
+        """Give ``short_pool`` at least ``shortfall_pages`` more pages of the other pool's
+        memory (`PoolBalance.plan`): the cache evicts and relocates, the pools copy the moved
+        pages and resize, the device tables get the deltas. Whether it did. Never with HiSparse
+        (its host mirror and device buffer are keyed by page) nor with a step in flight
+        (overlap scheduling: that step reads the pools as they are). ``force``: even right
+        after the opposite move (`PoolBalance.plan`)."""
+        balance = self.pool_balance
+        if balance is None or shortfall_pages <= 0 or self.offload is not None:
+            return False
+        if getattr(self, "_inflight", None) is not None:
+            return False
+        stats = self.cache.stats()
+        plan = balance.plan(stats, short_pool, shortfall_pages, self._clock, force)
+        if plan is None:
+            return False
+        try:
+            report = self.cache.rebalance(full_capacity=plan[0], swa_capacity=plan[1])
+        except (CapacityError, ConfigError):
+            return False
+        apply_rebalance(self.pools, report)
+        if self.spec is not None:
+            self.spec._note(report.deltas)
+        elif self.decoder is not None:
+            self._table_deltas += report.deltas
+        balance.applied(self._clock, short_pool)
+        self.stats.rebalances += 1
+        self.stats.rebalance_moved_pages += len(report.full_moves) + len(report.swa_moves)
+        return True
 
     def _preempt(self) -> bool:
         """Requeues a running request to free its pages (`_victim`); False if none can yield
@@ -215,8 +267,11 @@ class Admission(RunnerBase):
                 extend = self.cache.extend_draft_batch if draft else self.cache.extend_batch
                 alloc = extend([s.req for s in seqs], chunks)
                 return seqs, chunks, alloc
-            except CapacityError:
-                if not self._preempt():
+            except CapacityError as err:
+                short = err.needed_pages - err.available_pages
+                if self._rebalance(err.pool, short) or self._preempt():
+                    continue
+                if not self._rebalance(err.pool, short, force=True):
                     raise
 
     def _working_set(self, seq: _Seq, num_tokens: int) -> int:

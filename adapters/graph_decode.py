@@ -229,6 +229,7 @@ class GraphDecoder:
         self.use_graphs = weights.device.type == "cuda" if use_graphs is None else use_graphs
         self.min_context_bucket = min_context_bucket
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pools_generation = pools.generation  # a re-balance resized them: graphs stale
 
     @torch.no_grad()
     def _run(self, batch: int, context: int) -> torch.Tensor:
@@ -256,6 +257,9 @@ class GraphDecoder:
 
     def _replay(self, batch: int, context: int) -> torch.Tensor:  # pragma: no cover
         key = (batch, context)
+        if self._pools_generation != self.pools.generation:  # captured the old tensors
+            self._graphs.clear()
+            self._pools_generation = self.pools.generation
         if key not in self._graphs:
             self._graphs[key] = self._capture(batch, context)
         graph, out = self._graphs[key]

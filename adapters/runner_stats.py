@@ -31,6 +31,9 @@ class RunnerStats:
     shared_prefill_waits: int = 0
     #: requests finished with an error because a forward over them raised
     failed_requests: int = 0
+    #: run-time SWA / full re-balances (`Runner.pool_balance`), and the pages they moved
+    rebalances: int = 0
+    rebalance_moved_pages: int = 0
     #: overlap scheduling: decode steps launched overlapped, decode steps of an overlapping
     #: runner that ran serialised (a non-greedy request, ``on_logits``), and pending tokens
     #: dropped because their request had stopped one step earlier (computed, never kept)
