@@ -10,7 +10,8 @@ O(pages). Pages from ``base`` on are the request's own list::
             arrays, read-only        the cache appends, replaces and truncates here)
 
 Readers see an immutable sequence of ints (``len``, indexing, slicing to a list, iteration,
-``==`` with any list or tuple, ``np.asarray``).
+``==`` with any list or tuple, ``np.asarray``: a new array). Every array it hands out is
+read-only or a copy; ``own`` and the mutators below are the cache's, never a reader's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, overload
 import numpy as np
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
 
 
 def page_array(pages: list[int]) -> np.ndarray:
@@ -30,8 +32,10 @@ def page_array(pages: list[int]) -> np.ndarray:
     ``np.fromiter`` (a third of ``np.asarray``) once there are a few dozen of them."""
     n = len(pages)
     if n < 32:
-        return np.fromiter(pages, np.int64, n)  # type: ignore[no-any-return]
-    return np.frombuffer(struct.pack(f"{n}q", *pages), np.int64)
+        out = np.fromiter(pages, np.int64, n)
+        out.flags.writeable = False
+        return out
+    return np.frombuffer(struct.pack(f"{n}q", *pages), np.int64)  # read-only: over bytes
 
 
 class PageTable(Sequence[int]):
@@ -71,10 +75,15 @@ class PageTable(Sequence[int]):
         return head + self.own[: hi - b] if hi > b else head
 
     def shared(self) -> np.ndarray:
-        """The shared pages ``[0, base)`` as one read-only array."""
+        """The shared pages ``[0, base)`` as one read-only array (a node's own array is lent
+        as a read-only view: writing to it raises instead of corrupting the tree)."""
         if self._shared is None:
             segs = self._segments
-            self._shared = segs[0] if len(segs) == 1 else np.concatenate(segs) if segs else _EMPTY
+            shared = segs[0] if len(segs) == 1 else np.concatenate(segs) if segs else _EMPTY
+            if shared.flags.writeable:
+                shared = shared.view() if len(segs) == 1 else shared
+                shared.flags.writeable = False
+            self._shared = shared
         return self._shared
 
     def tolist(self) -> list[int]:

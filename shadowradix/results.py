@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +90,9 @@ class StreamWrites:
     entry_groups: np.ndarray
     entry_slots: np.ndarray
 
+    def __post_init__(self) -> None:
+        _read_only(self.__dict__.values())
+
 
 @dataclass(frozen=True)
 class EvictionReport:
@@ -116,6 +119,9 @@ class StepArrays:
     virtual_slots: np.ndarray
     swa_slots: np.ndarray
     streams: tuple[StreamWrites, ...]
+
+    def __post_init__(self) -> None:
+        _read_only((self.token_offsets, self.positions, self.virtual_slots, self.swa_slots))
 
 
 class Allocation:
@@ -270,6 +276,9 @@ class StreamReads:
     inflight_positions: np.ndarray
     inflight_rows: np.ndarray
 
+    def __post_init__(self) -> None:
+        _read_only((self.entry_slots, self.inflight_positions, self.inflight_rows))
+
 
 @dataclass(frozen=True)
 class ReadPlan:
@@ -281,6 +290,9 @@ class ReadPlan:
     streams: tuple[StreamReads, ...]
     #: positions whose window KV came from bounded replay (never bit-identical)
     replay_start: int | None
+
+    def __post_init__(self) -> None:
+        _read_only((self.swa_positions, self.swa_slots))
 
     def stream(self, ratio: int) -> StreamReads:
         for s in self.streams:
@@ -362,3 +374,11 @@ class CacheStats:
     def cached_window_tokens(self) -> int:
         """Tokens of the tree whose SWA is still live (the rest are tombstones)."""
         return (self.swa.evictable_pages + self.swa.protected_pages) * self.page_size
+
+
+def _read_only(arrays: Iterable[object]) -> None:
+    """Make the result's arrays read-only: one cached `Allocation` or `ReadPlan` is read by
+    several consumers (and may view the cache's own arrays), so none may write to it."""
+    for a in arrays:
+        if type(a) is np.ndarray:
+            a.flags.writeable = False

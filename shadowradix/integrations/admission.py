@@ -19,7 +19,7 @@ from ..cache import ShadowRadixCache
 from ..errors import CapacityError, InvalidRequestError
 from ..locks import PinReceipt
 from ..request import Request
-from ..results import Allocation, ExtendCheck, MatchResult
+from ..results import ExtendCheck, MatchResult, StepPlan
 from .protocol import TokenInput, as_tokens
 
 
@@ -46,7 +46,7 @@ def admission_check(cache: ShadowRadixCache, match: MatchResult, num_tokens: int
 
 def admit_and_extend(
     cache: ShadowRadixCache, prompt: TokenInput, match: MatchResult, tokens: TokenInput
-) -> tuple[Request, Allocation]:
+) -> tuple[Request, StepPlan]:
     """Admit ``prompt`` at ``match`` and extend it by ``tokens`` (its first chunk), or raise
     `CapacityError` having admitted nothing. Also raises, admitting nothing, what `admit` and
     `extend` raise (`InvalidRequestError`, `StaleMatchError`)."""

@@ -30,10 +30,11 @@ import numpy as np
 
 from ..cache import ShadowRadixCache
 from ..config import CacheConfig
+from ..deltas import PageTableDelta
 from ..errors import CapacityError, InvalidRequestError
 from ..locks import Pool
 from ..request import Request as CoreRequest
-from ..results import Allocation
+from ..results import Allocation, StepPlan
 from ..results import MatchResult as CoreMatch
 from .admission import admit_and_extend
 from .paths import prefix_vpages, window_swa_pages
@@ -54,6 +55,17 @@ __all__ = ["ShadowRadixKVCacheManager", "Request", "KVCacheBlocks"]
 _Tables = tuple[list[int | None], list[int | None]]
 
 
+class _Told:
+    """What the engine was last told of one request: its two tables (SWA entries before
+    ``swa_base`` are ``None``), and the core's deltas since, not yet reported."""
+
+    __slots__ = ("tables", "swa_base", "pending")
+
+    def __init__(self, tables: _Tables, swa_base: int) -> None:
+        self.tables, self.swa_base = tables, swa_base
+        self.pending: list[PageTableDelta] = []
+
+
 class ShadowRadixKVCacheManager:
     """``KVCacheManager`` over a `ShadowRadixCache` made from ``config`` (``.cache``)."""
 
@@ -70,7 +82,7 @@ class ShadowRadixKVCacheManager:
         self.num_kv_cache_groups = len(self.kv_cache_groups)
         self._p = config.page_size
         self._running: dict[str, CoreRequest] = {}
-        self._tables: dict[str, _Tables] = {}  # what the engine was last told
+        self._told: dict[str, _Told] = {}  # what the engine was last told
         self._events = EventTranslator(config.page_size)
         self._stats = [False, 0, 0, 0, 0, 0, 0]  # PrefixCacheStats fields, in order
 
@@ -121,14 +133,16 @@ class ShadowRadixKVCacheManager:
                 f"but {kv.length} were allocated"
             )
         chunk = _span(tokens, kv.length, n)
+        told = self._told[request.request_id]
         if not delay_cache_blocks and kv.num_committed // self._p > kv.tree_pages:
-            self.cache.cache_unfinished(kv)  # its previous steps have run: publish them
+            # its previous steps have run: publish them (deduplication may rewrite entries)
+            told.pending += self.cache.cache_unfinished(kv).deltas
             self._drain()
         if not self.cache.can_extend([kv], [n]):
             return None
-        allocation = self.cache.extend(kv, chunk)
+        plan = self.cache.extend(kv, chunk)
         self._drain()
-        return self._report(request.request_id, kv, allocation, None)
+        return self._report(told, plan, None)
 
     def _admit(
         self,
@@ -160,10 +174,15 @@ class ShadowRadixKVCacheManager:
         # what the engine holds: the hit's blocks as reported at lookup (the prefix's pages are
         # fixed while the match is valid; reading them through its node now would not be)
         hit = computed.blocks if computed is not None else ((), ())
-        self._tables[request.request_id] = (list(hit[0]), list(hit[1]))
+        told = self._told[request.request_id] = _Told((list(hit[0]), list(hit[1])), kv.swa_base)
+        if kv.replay_allocation is not None:  # the replayed window's private SWA: not in the hit
+            end = match.prefix_len // self._p
+            window = tuple(kv.swa_pages[: end - kv.swa_base])
+            told.pending.append(PageTableDelta(kv.id, Pool.SWA, kv.swa_base, window, end,
+                                               kv.swa_base))  # fmt: skip
         self._record(request, match.hit_len)
         self._drain()
-        return self._report(request.request_id, kv, allocation, kv.replay_allocation)
+        return self._report(told, allocation, kv.replay_allocation)
 
     def free(self, request: Request) -> None:
         """Release a finished or preempted request: insert its computed pages and release the
@@ -172,7 +191,7 @@ class ShadowRadixKVCacheManager:
         kv = self._running.pop(request.request_id, None)
         if kv is None:
             return
-        del self._tables[request.request_id]
+        del self._told[request.request_id]
         if request.num_computed_tokens >= kv.length:
             self.cache.finish(kv)
         else:
@@ -195,14 +214,22 @@ class ShadowRadixKVCacheManager:
             raise InvalidRequestError(f"{request_id!r} has no slots allocated")
         return kv
 
-    def _report(
-        self, rid: str, kv: CoreRequest, allocation: Allocation, replay: Allocation | None
-    ) -> KVCacheBlocks:
-        before, now = self._tables[rid], _tables_of(kv)
-        self._tables[rid] = now
-        new = tuple(tuple(t[len(b) :]) for b, t in zip(before, now))
-        deltas = tuple(_delta(b, t) for b, t in zip(before, now))
-        return KVCacheBlocks(new, deltas, allocation, replay)
+    def _report(self, told: _Told, plan: StepPlan, replay: Allocation | None) -> KVCacheBlocks:
+        """The blocks appended and each table's change since the last report, from the core's
+        deltas (cache_unfinished's, then the step's) applied to what the engine was told: no
+        table is diffed."""
+        told.pending += plan.deltas
+        sizes = [len(t) for t in told.tables]
+        first = sizes[:]
+        for delta in told.pending:
+            g = 0 if delta.pool is Pool.FULL else 1
+            first[g] = min(first[g], _apply(told.tables[g], delta, told.swa_base if g else 0))
+            if g:
+                told.swa_base = delta.base_page
+        told.pending = []
+        new = tuple(tuple(t[n:]) for t, n in zip(told.tables, sizes))
+        deltas = tuple(TableDelta(f, tuple(t[f:])) for t, f in zip(told.tables, first))
+        return KVCacheBlocks(new, deltas, plan, replay)
 
     # -- events, reset, stats ----------------------------------------------------------------
 
@@ -271,8 +298,15 @@ def _hit_tables(match: CoreMatch, config: CacheConfig) -> _Tables:
     return list(prefix_vpages(match)), swa + list(window_swa_pages(match, first))
 
 
-def _delta(before: list[int | None], now: list[int | None]) -> TableDelta:
-    first = next((i for i, (a, b) in enumerate(zip(before, now)) if a != b), None)
-    if first is None:
-        first = min(len(before), len(now))
-    return TableDelta(first, tuple(now[first:]))
+def _apply(table: list[int | None], delta: PageTableDelta, base: int) -> int:
+    """Apply a core delta to an engine-shaped table (entries before the base are ``None``);
+    returns the first entry it changed."""
+    end = delta.num_pages
+    del table[end:]
+    table.extend([None] * (end - len(table)))
+    dropped = range(base, min(delta.base_page, end))
+    for i in dropped:
+        table[i] = None
+    table[delta.first_page : delta.first_page + len(delta.pages)] = delta.pages
+    first = min(delta.first_page, end)
+    return min(first, base) if len(dropped) else first
