@@ -44,9 +44,8 @@ def add_run_parser(sub) -> None:
     run.add_argument("--file", help="read prompts from a file, one per non-empty line")
     run.add_argument(
         "--model",
-        default="tiny",
         help="model preset: tiny | tiny-trained | flash-shaped | tiny-shared | flash-shared "
-        "(default tiny)",
+        "(default tiny-trained where its trained weights are shipped, else tiny)",
     )
     run.add_argument("--weights", metavar="PATH",
                      help="trained weights (safetensors, `python -m adapters.train`); the "

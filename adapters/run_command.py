@@ -18,11 +18,11 @@ from .runner import GenerationResult, Runner, SchedulePolicy
 from .sampling import SamplingParams
 from .tokenizer import ByteTokenizer
 from .weights import ModelWeights
-from .weights_file import SHIPPED, load_shipped, load_weights
+from .weights_file import SHIPPED, default_preset, load_shipped, load_weights
 
 
 def build_runner(args: argparse.Namespace) -> Runner:
-    model = preset(args.model)
+    model = preset(args.model or default_preset())
     if args.layers is not None:
         model = model.first_layers(args.layers)
     cache = model.cache_config(

@@ -217,6 +217,12 @@ def shipped_path(preset_name: str) -> Path | None:
     return shipped.path if shipped is not None and shipped.path.exists() else None
 
 
+def default_preset() -> str:
+    """``shadowradix run``'s model: ``tiny-trained`` once its weights file is in the package,
+    else the random-weight ``tiny``."""
+    return "tiny-trained" if shipped_path("tiny-trained") is not None else "tiny"
+
+
 def load_shipped(
     cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> ModelWeights:

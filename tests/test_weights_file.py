@@ -84,6 +84,10 @@ def test_shipped_weights_are_checked_against_the_recorded_sha(saved, monkeypatch
     monkeypatch.setattr(weights_file, "TRAINED_DIR", path.parent)
     monkeypatch.setitem(weights_file.SHIPPED, SHORT.name, ship)
     assert weights_file.shipped_path(SHORT.name) == path
+    monkeypatch.setitem(weights_file.SHIPPED, "tiny-trained", ship)
+    assert weights_file.default_preset() == "tiny-trained"  # run's default, once shipped
+    monkeypatch.setitem(weights_file.SHIPPED, "tiny-trained", replace(ship, file="absent"))
+    assert weights_file.default_preset() == "tiny"
     assert load_shipped(SHORT).config == SHORT
     monkeypatch.setitem(weights_file.SHIPPED, SHORT.name, replace(ship, sha256="1" * 64))
     with pytest.raises(WeightsError, match="does not match"):
