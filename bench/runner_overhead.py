@@ -5,9 +5,9 @@ warms up, then times ``--steps`` decode-only ``Runner.step()`` calls. Per step:
 
 * ``wall``: the duration of one ``step()`` call (in steady state, overlapped or not, one call
   per device step);
-* ``gpu``: the device time of the decode step, from CUDA events recorded around
-  ``GraphDecoder.step`` (the page-table upload and the graph replay); on the CPU the host time
-  inside it (no asynchrony there);
+* ``gpu``: the device time of the decode step, from CUDA events recorded around its graph
+  replay (`GraphDecoder._replay`); on the CPU the host time of the eager forward (no
+  asynchrony there, so the CPU figures only check that the script runs);
 * ``host share = 1 - gpu / wall``: the part of a step the device waits for the host. Serialised,
   that is every host instruction of the step; overlapped, only what the host could not hide.
   ``gpu idle share`` is measured on the device alone: ``1 - sum(gpu) / span``, with ``span`` from
@@ -70,26 +70,29 @@ def max_new_tokens(args) -> int:
 
 
 class DeviceTimer:
-    """CUDA events around every `GraphDecoder.step` of a runner (host time on the CPU)."""
+    """CUDA events around every graph replay of a runner's decoder (on the CPU, where nothing
+    is captured, the host time of every eager decode forward)."""
 
     def __init__(self, runner: Runner) -> None:
-        assert runner.decoder is not None
-        self.cuda = runner.device.type == "cuda"
+        decoder = runner.decoder
+        assert decoder is not None
+        self.cuda = decoder.use_graphs
         self.marks: list[tuple] = []
-        inner = runner.decoder.step
+        name = "_replay" if self.cuda else "_run"
+        inner = getattr(decoder, name)
 
-        def timed(requests, tokens, deltas):
+        def timed(batch: int, context: int):
             start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
             if self.cuda:
                 start.record()
-            out = inner(requests, tokens, deltas)
+            out = inner(batch, context)
             end = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
             if self.cuda:
                 end.record()
             self.marks.append((start, end))
             return out
 
-        runner.decoder.step = timed  # type: ignore[method-assign]
+        setattr(decoder, name, timed)
 
     def seconds(self) -> tuple[list[float], float]:
         """Each marked step's device time and the span from the first start to the last end
