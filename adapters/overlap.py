@@ -87,15 +87,19 @@ class Overlap(Admission, Forward, Emission):
         return self._resolve(self._inflight) if self._inflight is not None else []
 
     def _extend_pending(self, seqs: list[_Seq]) -> tuple[list[_Seq], StepPlan | None]:
-        """`extend_pending_batch` that preempts other requests until it fits (as `_extend`)."""
+        """`extend_pending_batch` that makes room as `Admission._extend` does (the starving
+        pool given the other's memory, else a request preempted) until it fits."""
         while True:
             live = [s for s in seqs if s.request is not None]
             if not live:
                 return [], None
             try:
                 return live, self.cache.extend_pending_batch([s.req for s in live])
-            except CapacityError:
-                if not self._preempt():
+            except CapacityError as err:
+                short = err.needed_pages - err.available_pages
+                if self._rebalance(err.pool, short) or self._preempt():
+                    continue
+                if not self._rebalance(err.pool, short, force=True):
                     raise
 
     def _launch(self, seqs: list[_Seq], plan: StepPlan, prev: InFlightStep | None) -> InFlightStep:
