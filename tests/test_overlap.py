@@ -8,6 +8,7 @@ visibly."""
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -77,7 +78,12 @@ def _both(prompts, params, **kw):
 
 
 PROMPTS = _prompts((30, 200, 45, 100, 17, 64))
-CLEAN = [r.output for r in _runner(False).generate(PROMPTS, SamplingParams(max_new_tokens=12))]
+
+
+@functools.cache
+def _clean() -> list[list[int]]:
+    """Every prompt's 12 greedy tokens, serialised (computed once, inside a test: one thread)."""
+    return [r.output for r in _runner(False).generate(PROMPTS, SamplingParams(max_new_tokens=12))]
 
 
 def _stop_at(k: int, output: list[int]) -> int | None:
@@ -91,7 +97,7 @@ def test_stop_tokens_at_every_step_end_as_without_overlap() -> None:
     makes requests join as others leave."""
     params = [
         SamplingParams(max_new_tokens=m, stop_token=_stop_at(k, out))
-        for k, (m, out) in enumerate(zip((12, 12, 12, 1, 12, 7), CLEAN))
+        for k, (m, out) in enumerate(zip((12, 12, 12, 1, 12, 7), _clean()))
     ]
     assert sum(p.stop_token is not None for p in params) >= 4
     plain, late, results = _both(PROMPTS, params, max_running=3)
@@ -129,7 +135,7 @@ def test_preemption_of_a_request_in_flight() -> None:
     # each victim requeued with its last token: recomputed as a prompt token, not decoded again
     for counter in ("preemptions", "prefill_tokens", "decode_tokens"):
         assert getattr(plain.stats, counter) == getattr(late.stats, counter), counter
-    assert [r.output for r in results] == CLEAN[:4]
+    assert [r.output for r in results] == _clean()[:4]
 
 
 def test_a_failed_launch_fails_its_requests_only() -> None:
@@ -150,7 +156,7 @@ def test_a_failed_launch_fails_its_requests_only() -> None:
     failed = [r for r in results if r.finish_reason == "error"]
     assert failed and all(r.failure.stage is FailureStage.DECODE for r in failed)
     assert all(len(r.output) == 3 for r in failed)  # prefill's, then two launches read back
-    for res, clean in zip(results, CLEAN):
+    for res, clean in zip(results, _clean()):
         assert res.output == clean[: len(res.output)]
         assert res.finish_reason == "error" or res.output == clean
     assert runner.stats.failed_requests == len(failed) < len(PROMPTS)
