@@ -45,7 +45,10 @@ class ShippedWeights:
 
 #: the trained presets' files (docs/training.md: `python -m adapters.train` writes them)
 SHIPPED: dict[str, ShippedWeights] = {
-    "tiny-trained": ShippedWeights("tiny-trained.safetensors", None),
+    "tiny-trained": ShippedWeights(
+        "tiny-trained.safetensors",
+        "9aa7e6cfa88838d87fa7d245e6e216bfe9068bfe1d878036212a723ef79ed816",
+    ),
 }
 
 

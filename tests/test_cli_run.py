@@ -57,7 +57,7 @@ def test_run_prompts_from_arguments_and_file(
         (["run", "x", "--hisparse-pages", "3"], "cannot hold"),
         (["run", "x", "--layers", "0"], "--layers: 0 is below 1"),
         (["run", "x", "--layers", "-1"], "--layers: -1 is below 1"),
-        (["run", "x", "--layers", "100"], "tiny has 6 layers"),
+        (["run", "x", "--layers", "100"], "has 6 layers"),
         (["run", "x", "--max-new-tokens", "0"], "--max-new-tokens: 0 is below 1"),
         (["run", "x", "--page-size", "lots"], "'lots' is not an integer"),
         (["run", "x", "--page-size", "3"], "page_size must be one of"),
