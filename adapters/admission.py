@@ -101,6 +101,7 @@ class Admission(RunnerBase):
         none ends the round, so nothing behind it takes the room it waits for. A request that
         shares a prefix with a running prefill waits for it (`_waits_for_a_prefill`), keeping
         its place, and the round goes on."""
+        self._observe_pools()
         top = self._waiting.top_priority
         if top is None or not self._may_admit(top):
             return  # no round: nothing would be admitted, nothing need be matched
@@ -192,6 +193,19 @@ class Admission(RunnerBase):
             return False
         return self._rebalance("full" if full else "swa", max(full, swa))
 
+    def _observe_pools(self) -> None:
+        """Once a round: a pool that evicts what it still needs while the other holds slack
+        gets the other's memory (`PoolBalance.observe`)."""
+        balance = self.pool_balance
+        if balance is None or not self._can_rebalance():
+            return
+        seen = balance.observe(self.cache.stats(), self.cache.eviction_ages(), self._clock)
+        if seen is not None:
+            self._apply_plan(seen[0], seen[1])
+
+    def _can_rebalance(self) -> bool:
+        return self.offload is None and getattr(self, "_inflight", None) is None
+
     def _rebalance(self, short_pool: str, shortfall_pages: int, force: bool = False) -> bool:
         """Give ``short_pool`` at least ``shortfall_pages`` more pages of the other pool's
         memory (`PoolBalance.plan`): the cache evicts and relocates, the pools copy the moved
@@ -200,14 +214,16 @@ class Admission(RunnerBase):
         (overlap scheduling: that step reads the pools as they are). ``force``: even right
         after the opposite move (`PoolBalance.plan`)."""
         balance = self.pool_balance
-        if balance is None or shortfall_pages <= 0 or self.offload is not None:
-            return False
-        if getattr(self, "_inflight", None) is not None:
+        if balance is None or shortfall_pages <= 0 or not self._can_rebalance():
             return False
         stats = self.cache.stats()
         plan = balance.plan(stats, short_pool, shortfall_pages, self._clock, force)
-        if plan is None:
-            return False
+        return plan is not None and self._apply_plan(short_pool, plan)
+
+    def _apply_plan(self, short_pool: str, plan: tuple[int, int]) -> bool:
+        """`ShadowRadixCache.rebalance` to ``plan``, applied to the pools and device tables."""
+        balance = self.pool_balance
+        assert balance is not None
         try:
             report = self.cache.rebalance(full_capacity=plan[0], swa_capacity=plan[1])
         except (CapacityError, ConfigError):

@@ -10,8 +10,15 @@ shortfall of one pool with pages of the other, within the budget the pools were 
     give <= the other's capacity - its locked, held and reserved pages   (else less, or nothing)
     grow  = give * the other's page cost / its page cost, rounded down   (all the bytes freed)
 
-and refuses to reverse the previous move within ``cooldown`` rebalances' worth of steps, so a
-workload at the boundary does not make the pools swing back and forth. The plan only says
+and refuses to reverse the previous move within ``cooldown`` steps, so a workload at the
+boundary does not make the pools swing back and forth.
+
+A pool rarely runs out outright: LRU eviction makes room from cached content, and the hits are
+lost quietly. `PoolBalance.observe` watches for that every ``period`` steps: a pool that evicted
+since the last look, whose next victim is one a match needs and young (used ``age`` tree
+accesses ago: `ShadowRadixCache.eviction_ages`), while the other pool's next victim is at least
+``age_ratio`` times older or costs no hit (or it has free pages), starves for memory the other
+holds as slack: it gets a `plan` of one margin's growth. The plan only says
 *what*; `ShadowRadixCache.rebalance` evicts and relocates, `pool_resize.apply_rebalance` moves
 the rows (`admission.Admission._rebalance`).
 """
@@ -38,8 +45,38 @@ class PoolBalance:
     min_swa_pages: int
     margin: float = 0.25
     cooldown: int = 16
+    period: int = 8
+    age_ratio: float = 4.0
     #: (step, pool grown) of the last rebalance
     last: tuple[int, str] | None = field(default=None, repr=False)
+    #: (step, full pages evicted, SWA nodes tombstoned) at the last `observe`
+    _mark: tuple[int, int, int] | None = field(default=None, repr=False)
+
+    def observe(
+        self, stats: CacheStats, ages: tuple[int | None, int | None], step: int
+    ) -> tuple[str, tuple[int, int]] | None:
+        """Every ``period`` steps: the starving pool and a `plan` for it, or ``None``.
+        ``ages``: `ShadowRadixCache.eviction_ages`."""
+        ev = stats.evicted
+        mark = (step, ev.full_pages, ev.nodes_tombstoned)
+        if self._mark is None or step - self._mark[0] >= self.period:
+            last, self._mark = self._mark, mark
+            if last is None:
+                return None
+            evicting = {"full": ev.full_pages > last[1], "swa": ev.nodes_tombstoned > last[2]}
+            for short, own, other, giver in (
+                ("full", ages[0], ages[1], stats.swa),
+                ("swa", ages[1], ages[0], stats.full),
+            ):
+                if own is None:  # nothing it evicts costs a hit
+                    continue
+                slack = giver.free_pages > self.margin * giver.capacity_pages or (
+                    other is None or other > self.age_ratio * max(own, 1)
+                )
+                if evicting[short] and slack:
+                    plan = self.plan(stats, short, 1, step)
+                    return None if plan is None else (short, plan)
+        return None
 
     def plan(
         self,

@@ -51,6 +51,21 @@ class EvictionPolicy:
         self._debug_check()
         return report
 
+    def eviction_ages(self) -> tuple[int | None, int | None]:
+        """How long ago (in tree accesses: admissions, inserts, finishes) the next full and SWA
+        eviction victims were last used. ``None``: nothing evictable in the pool, or, for SWA,
+        a victim at a node's head, before its tail window (no match can end there, so losing
+        it costs no hit). A pool whose victims are young evicts what it still needs; one whose
+        victims are old holds slack (`adapters.pool_balance` moves memory on this). Mutates
+        nothing."""
+        clock = self._tree.clock
+        full, swa = self._index.oldest_full_leaf(), self._index.oldest_swa()
+        swa_age = None
+        if swa is not None:
+            tier0_end, _, live_from = swa.lru_tiers
+            swa_age = None if tier0_end > live_from else clock - swa.last_access
+        return (None if full is None else clock - full.last_access, swa_age)
+
     def _reserve(self, full_pages: int, swa_pages: int) -> EvictionReport:
         """Make sure the pages can be had (else raise, changing nothing), evicting if needed."""
         if full_pages > self._full.num_free or swa_pages > self._swa.num_free:

@@ -152,3 +152,16 @@ def test_kv_events_report_a_move_as_evicted_then_inserted_with_the_same_hashes()
     assert set(after) == set(before)  # the same hashes (tokens), under the new ids
     assert any(after[h] != v for h, v in before.items())
     assert all(after[h] == moved.get(v, v) for h, v in before.items())
+
+
+def test_eviction_ages_name_the_next_victims() -> None:
+    cache = _cache()
+    assert cache.eviction_ages() == (None, None)  # nothing evictable
+    for s in range(2):
+        r = cache.admit([s + 1] * 24)
+        cache.extend(r, r.prompt_remaining)
+        cache.finish(r)
+    full_age, swa_age = cache.eviction_ages()
+    assert full_age is not None and full_age > 0  # the first prompt, used a while ago
+    cache.admit([1] * 24 + [3])  # touches the first prompt: the second is the oldest now
+    assert cache.eviction_ages()[0] < full_age + 1
