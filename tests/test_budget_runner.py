@@ -35,10 +35,15 @@ def _outputs(runner: Runner) -> list[list[int]]:
     return out
 
 
-def test_budget_runner_rebalances_with_the_outputs_of_ample_pools() -> None:
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_budget_runner_rebalances_with_the_outputs_of_ample_pools(device: str) -> None:
+    """On CUDA the decode runs through captured graphs, dropped at every resize."""
     torch.set_num_threads(1)
-    weights = init_weights(SHORT, "cpu", torch.float64)
-    kw = dict(device="cpu", weights=weights, chunk_tokens=32, max_running=4)
+    weights = init_weights(SHORT, device, torch.float64)
+    kw = dict(device=device, weights=weights, chunk_tokens=32, max_running=4)
     runner = budget_runner(SHORT, BUDGET, 0.6, page_size=4, dtype=torch.float64, **kw)
     assert runner.pool_balance is not None
     assert runner.pools.nbytes().total <= BUDGET
