@@ -35,12 +35,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from adapters.corpus import FIXTURE_DIR, load_split  # noqa: E402
 from adapters.device import resolve_device  # noqa: E402
 from adapters.model_config import ModelConfig, preset  # noqa: E402
 from adapters.runner import Runner  # noqa: E402
 from adapters.sampling import SamplingParams  # noqa: E402
 from adapters.speculative import DraftSource, MTPDraft, OracleDraft, SpecStats  # noqa: E402
 from adapters.weights import ModelWeights, init_weights  # noqa: E402
+from adapters.weights_file import load_shipped, shipped_path  # noqa: E402
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -86,6 +88,26 @@ def source(name: str, continuations: dict, seed: int) -> DraftSource:
     if kind != "oracle":
         raise SystemExit(f"unknown draft source {name!r}: use oracle:RATE or mtp")
     return OracleDraft(continuations, float(rate), seed)
+
+
+def _weights(model, device, dtype) -> ModelWeights:
+    """The shipped trained weights of a trained preset (``tiny-trained``), else random."""
+    if shipped_path(model.name) is not None:
+        return load_shipped(model, device, dtype)
+    return init_weights(model, device, dtype)
+
+
+def _prompts(kind: str, rng: np.random.Generator, batch: int, length: int) -> list[list[int]]:
+    """``batch`` prompts of ``length`` bytes: random, or windows of the held-out text at
+    random offsets (a trained model's drafts only agree on text like its training data)."""
+    if kind == "random":
+        return [rng.integers(0, 256, length).tolist() for _ in range(batch)]
+    if kind != "heldout":
+        raise SystemExit(f"--prompts: {kind!r} is not random or heldout")
+    real = Path(__file__).resolve().parents[1] / "data" / "kjv"
+    text = load_split(real if (real / "heldout.txt").exists() else FIXTURE_DIR, False).heldout
+    starts = rng.integers(0, len(text) - length, batch)
+    return [list(text[int(a) : int(a) + length]) for a in starts]
 
 
 def generate(runner: Runner, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -151,6 +173,12 @@ def main() -> int:
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on the CPU)")
+    ap.add_argument(
+        "--prompts",
+        default="random",
+        help="random bytes | heldout (KJV held-out "
+        "split: data/kjv, else the committed fixture; for trained presets)",
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     device = resolve_device(None if args.device == "auto" else args.device)
@@ -167,8 +195,8 @@ def main() -> int:
     names = [x for x in args.sources.split(",") if x]
     ks = [int(x) for x in args.ks.split(",")]
     torch.manual_seed(args.seed)
-    weights = init_weights(model, device, dtype)
-    check_weights = weights if check_dtype == dtype else init_weights(model, device, check_dtype)
+    weights = _weights(model, device, dtype)
+    check_weights = weights if check_dtype == dtype else _weights(model, device, check_dtype)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"# {model.name} {model.compress_ratios} + MTP, {dtype} on {name}, "
           f"{torch.get_num_threads()} threads; prompt {args.prompt_len}, "
@@ -179,7 +207,7 @@ def main() -> int:
     rows = []
     rng = np.random.default_rng(args.seed)
     for batch in (int(x) for x in args.batches.split(",")):
-        prompts = [rng.integers(0, 256, args.prompt_len).tolist() for _ in range(batch)]
+        prompts = _prompts(args.prompts, rng, batch, args.prompt_len)
         check(s, check_weights, batch, prompts, names, ks, args.check_tokens)
         plain_runner = make_runner(s, weights, batch, None, None)
         plain, plain_s, plain_tokens = time_runner(plain_runner, prompts, args.new_tokens)
