@@ -212,7 +212,12 @@ def summary(runner: Runner, results: list[GenerationResult], wall: float) -> str
         f"SWA {cs.swa.used_fraction:.1%} used ({cs.cached_window_tokens} window tokens live)",
         f"evictions: {cs.evicted.full_pages} full + {cs.evicted.swa_pages} SWA pages, "
         f"{cs.evicted.nodes_removed} nodes removed, {cs.evicted.nodes_tombstoned} tombstoned; "
-        f"preemptions {st.preemptions}",
+        f"preemptions {st.preemptions}"
+        + (
+            f"; pool re-balances {st.rebalances} ({st.rebalance_moved_pages} pages moved)"
+            if st.rebalances
+            else ""
+        ),  # fmt: skip
         f"time: forward {st.forward_s:.2f} s, scheduling + cache {st.schedule_s:.2f} s",
         _paths_line(runner),
     ]

@@ -11,7 +11,8 @@ arithmetic, so a page move is a row-range copy in each of them)::
 
 The rewritten request tables come back as `TableChanges` (an engine keeping device block tables
 applies them); with KV events on, each node range holding a moved page is reported as EVICTED
-under its old ids, then INSERTED under its new ones (same tokens, same hashes).
+under its old ids, then INSERTED under its new ones (same tokens, same hashes); a moved page
+private to a request is reported FREED under its old id (its new id, private too, has no event).
 """
 
 from __future__ import annotations
@@ -107,8 +108,16 @@ def relocate(
     swa_moves, smap = _plan(state._swa, swa_pages, Pool.SWA)
     if vmap is None and smap is None:
         return full_moves, swa_moves, ()
+    in_tree_v: set[int] = set()
+    in_tree_s: set[int] = set()
     for node in state._tree.nodes():  # parents before children (the events chain down)
+        in_tree_v.update(_moved(node.vpages, full_pages))
+        in_tree_s.update(_moved(node.swa_pages, swa_pages))
         _rename_node(state._tree, node, vmap, full_pages, smap, swa_pages)
+    if state._tree.events is not None:  # a private page's old id leaves use: FREED
+        state._tree.events.freed(
+            sorted(set(full_moves.src) - in_tree_v), sorted(set(swa_moves.src) - in_tree_s)
+        )
     changes = []
     for r in state._requests.values():
         edits = TableEdits(r)
@@ -118,6 +127,13 @@ def relocate(
                 _replan_replay(state._shadows, r)
             changes.append(edits.changes())
     return full_moves, swa_moves, tuple(changes)
+
+
+def _moved(pages: np.ndarray, cap: int) -> list[int]:
+    """The ids of ``pages`` at or above ``cap`` (those a shrink to ``cap`` renames)."""
+    if not len(pages) or int(pages.max()) < cap:
+        return []
+    return pages[pages >= cap].tolist()  # type: ignore[no-any-return]
 
 
 def _renamed(pages: np.ndarray, remap: np.ndarray | None, cap: int) -> np.ndarray | None:

@@ -11,6 +11,7 @@ from small_models import SHORT
 from adapters.budget_runner import budget_runner
 from adapters.pool_balance import PoolBalance
 from adapters.pool_budget import PoolCosts
+from adapters.run_command import summary
 from adapters.runner import Runner
 from adapters.sampling import SamplingParams
 from adapters.weights import init_weights
@@ -54,6 +55,8 @@ def test_budget_runner_rebalances_with_the_outputs_of_ample_pools(device: str) -
     assert runner.pools.nbytes().total <= BUDGET  # every split stayed within the budget
     assert runner.pools.swa[0].shape[0] == st.swa.capacity_pages * 4 + 1
     runner.cache.check_invariants()
+    line = f"pool re-balances {runner.stats.rebalances} ("
+    assert line in summary(runner, [], 1.0)  # the run summary says the pools moved
     ample = Runner(
         SHORT,
         SHORT.cache_config(page_size=4, full_capacity=4096, swa_capacity=1024),

@@ -241,7 +241,8 @@ def test_replay_with_speculation_is_refused_by_the_config() -> None:
 def test_cli_bounded_replay_flag_and_summary() -> None:
     parser = argparse.ArgumentParser()
     add_run_parser(parser.add_subparsers(dest="command"))
-    argv = ["run", "--bounded-replay", "--device", "cpu", "--page-size", "16", "--layers", "4"]
+    argv = ["run", "--bounded-replay", "--model", "tiny", "--device", "cpu", "--page-size", "16"]
+    argv += ["--layers", "4"]
     args = parser.parse_args(argv + ["--swa-tokens", "1024", "--chunk-tokens", "64"])
     runner = build_runner(args)
     assert runner.cache.config.bounded_replay
