@@ -62,11 +62,6 @@ class Admission(RunnerBase):
                 "prompt_logprobs is not supported with tail-only prefill: the layers after the "
                 "last KV source compute only the last window of each chunk"
             )
-        if self.spec is not None and params.temperature != 0:
-            raise InvalidRequestError(
-                "speculative decoding here is greedy only (no rejection sampling): "
-                "temperature must be 0"
-            )
         if isinstance(prompt, (str, bytes)):
             raise InvalidRequestError("prompt must be a sequence of token ids (encode text first)")
         try:

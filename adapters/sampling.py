@@ -71,5 +71,14 @@ class Sampler:
     def sample(self, logits: torch.Tensor) -> int:
         if self.greedy:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits.double().cpu() / self.params.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return int(torch.multinomial(self.probs(logits), 1, generator=self.generator))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution a temperature sample draws from: softmax(logits / T) over the last
+        dimension, float64 on the CPU (also what speculative sampling verifies against)."""
+        return torch.softmax(logits.double().cpu() / self.params.temperature, dim=-1)
+
+    def uniforms(self, n: int) -> torch.Tensor:
+        """``n`` float64 uniforms in [0, 1) from this request's generator (speculative
+        sampling's accept / reject decisions and its last draw)."""
+        return torch.rand(n, generator=self.generator, dtype=torch.float64)

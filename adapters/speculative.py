@@ -29,6 +29,7 @@ from .graph_verify import GraphVerifier
 from .model_config import VOCAB_SIZE, ModelConfig
 from .mtp import MTPDrafter
 from .pools import KVPools
+from .rejection import accept_sampled
 from .runner_stats import RunnerStats
 from .sequence import GenerationResult, _Seq
 from .weights import ModelWeights
@@ -315,8 +316,9 @@ class SpeculativeDecoder:
         order: a full rejection restores the free stacks exactly) and keeps the hidden state
         of each request's last kept row. Returns the tokens to emit per request."""
         t = self.num_tokens + 1
-        targets = logits.argmax(dim=-1).view(len(seqs), t).tolist()
-        emitted, accepted = accept_greedy([c[1:] for c in chunks], targets)
+        emitted, accepted = self._accept(
+            seqs, [c[1:] for c in chunks], logits.view(len(seqs), t, -1)
+        )
         emitted = [
             cut_emission(e, s.params.max_new_tokens - len(s.result.output), s.params.stop_token)
             for s, e in zip(seqs, emitted)
@@ -330,6 +332,20 @@ class SpeculativeDecoder:
                 s.hidden = (s.req, h)
         self._count(seqs, emitted, accepted)
         return emitted
+
+    def _accept(self, seqs: list[_Seq], drafts: list[list[int]], logits: torch.Tensor):
+        """Greedy requests keep the drafts equal to the target's argmax (`accept_greedy`);
+        temperature requests go through rejection sampling (`rejection.accept_sampled`)."""
+        emitted, accepted = accept_greedy(drafts, logits.argmax(dim=-1).tolist())
+        sampled = [i for i, s in enumerate(seqs) if not s.sampler.greedy]
+        if sampled:
+            rows = logits[torch.tensor(sampled, device=logits.device)]
+            e, a = accept_sampled(
+                [seqs[i].sampler for i in sampled], [drafts[i] for i in sampled], rows
+            )
+            for i, ei, ai in zip(sampled, e, a):
+                emitted[i], accepted[i] = ei, ai
+        return emitted, accepted
 
     def _verify(self, runner: VerifyHost, seqs: list[_Seq], chunks: list[list[int]], alloc):
         """Logits ``(B*T, V)`` of every row, and the rows' hidden states when MTP is kept."""
