@@ -31,6 +31,7 @@ from .model import LayerInput, final_hidden, head_logits, layer_forward
 from .paged import PagedKeys, PagedStep
 from .pools import KVPools
 from .reference import DenseKeys
+from .rejection import sample_tempered
 from .weights import ModelWeights, MTPWeights
 
 
@@ -243,6 +244,10 @@ class MTPDrafter(GraphDecoder):
         self.hidden = torch.zeros(max_batch, cfg.hidden, device=weights.device, dtype=weights.dtype)
         #: ``(batch bucket, k, V)`` logits of the last draft (a graph's output buffer on CUDA)
         self.last_logits: torch.Tensor | None = None
+        #: while `draft_sampled` runs: (temperatures ``(bucket,)``, uniforms ``(bucket, k)``),
+        #: and the distributions its tokens were drawn from
+        self._sampling: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._probs: list[torch.Tensor] = []
 
     @torch.no_grad()
     def _run(self, batch: int, context: int) -> torch.Tensor:
@@ -262,10 +267,47 @@ class MTPDrafter(GraphDecoder):
             keys = _DraftKeys(self.weights, committed, cmask, temp, valid, j)
             hidden = mtp_hidden(self.weights, hidden, tokens, length + j, keys)
             logits.append(mtp_logits(self.weights, hidden))
-            tokens = logits[-1].argmax(dim=-1)
+            tokens = self._next_tokens(logits[-1], j)
             out.append(tokens)
         self.last_logits = torch.stack(logits, dim=1)
         return torch.stack(out, dim=1)
+
+    def _next_tokens(self, logits: torch.Tensor, j: int) -> torch.Tensor:
+        if self._sampling is None:
+            return logits.argmax(dim=-1)
+        temperatures, uniforms = self._sampling
+        tokens, probs = sample_tempered(logits, temperatures, uniforms[:, j])
+        self._probs.append(probs)
+        return tokens
+
+    def draft_sampled(
+        self,
+        requests: list[Request],
+        pending: list[int],
+        hidden: torch.Tensor,
+        deltas: Iterable[PageTableDelta],
+        temperatures: torch.Tensor,
+        uniforms: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft` where request ``i`` with ``temperatures[i] > 0`` draws draft ``j`` from
+        softmax(MTP logits / T) by inverse CDF at ``uniforms[i, j]`` (greedy where T = 0).
+        Returns the tokens and their distributions ``(len(requests), k, V)`` float64 on the
+        CPU. Runs eagerly, also on CUDA (no graph for the sampled path)."""
+        b = len(requests)
+        self.buffers.load(requests, pending, deltas)
+        self.hidden[:b] = hidden.to(self.hidden.dtype)
+        batch = min(max(1, 1 << (b - 1).bit_length()), self.buffers.max_batch)
+        dev = self.hidden.device
+        temps = torch.zeros(batch, dtype=torch.float64, device=dev)
+        temps[:b] = temperatures.to(dev)
+        u = torch.zeros(batch, self.num_tokens, dtype=torch.float64, device=dev)
+        u[:b] = uniforms.to(dev)
+        self._sampling, self._probs = (temps, u), []
+        try:
+            tokens = self._run(batch, 0)[:b]
+        finally:
+            self._sampling = None
+        return tokens, torch.stack(self._probs, dim=1)[:b].cpu()
 
     def draft(
         self,

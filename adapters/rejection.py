@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import Sampler
+from .sampling import MIN_TEMPERATURE, Sampler
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,18 @@ def _draft_probs(drafts: torch.Tensor, draft_probs: torch.Tensor | None, p: torc
     return torch.cat((draft_probs.to(p.dtype), p.new_zeros(b, 1, p.shape[-1])), dim=1)
 
 
+def sample_tempered(
+    logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits`` ``(B, V)``: drawn by inverse CDF at ``uniforms`` ``(B,)``
+    from softmax(logits / T) where ``temperatures[i] > 0``, the argmax where it is 0. Returns
+    the tokens and the float64 distributions they were drawn from (tensor ops only)."""
+    t = temperatures.to(torch.float64).clamp(min=MIN_TEMPERATURE)[:, None]
+    probs = torch.softmax(logits.double() / t, dim=-1)
+    sampled = _inverse_cdf(probs, uniforms)
+    return torch.where(temperatures > 0, sampled, logits.argmax(dim=-1)), probs
+
+
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One index per row of the non-negative ``weights`` ``(B, V)``: the first whose cumulative
     weight exceeds ``u * total`` (a zero-weight index is never drawn)."""
@@ -96,16 +108,19 @@ def _check_shapes(drafts, target_probs, uniforms, draft_probs) -> None:
 
 
 def accept_sampled(
-    samplers: list[Sampler], drafts: list[list[int]], logits: torch.Tensor
+    samplers: list[Sampler],
+    drafts: list[list[int]],
+    logits: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
 ) -> tuple[list[list[int]], list[int]]:
     """`rejection_sample` for temperature requests of a verify step: ``logits`` ``(n, k + 1,
     V)``, each request's target distribution its `Sampler.probs`, its ``k + 1`` uniforms from
-    its own seeded generator (so a run is reproducible), one-hot draft distributions (the draft
-    sources here are deterministic given the context). Returns ``(emitted, accepted)`` lists,
-    like `speculative.accept_greedy`."""
+    its own seeded generator (so a run is reproducible); ``draft_probs`` ``(n, k, V)`` the
+    distributions the drafts were sampled from, ``None`` for a deterministic source (one-hot).
+    Returns ``(emitted, accepted)`` lists, like `speculative.accept_greedy`."""
     k = len(drafts[0])
     probs = torch.stack([s.probs(row) for s, row in zip(samplers, logits)])
     uniforms = torch.stack([s.uniforms(k + 1) for s in samplers])
     x = torch.tensor(drafts, dtype=torch.long)
-    result = rejection_sample(x, probs, uniforms)
+    result = rejection_sample(x, probs, uniforms, draft_probs)
     return result.emitted(x), result.accepted.tolist()

@@ -1,152 +1,62 @@
-"""Speculative decoding in the runner: draft sources, greedy verification, cache rollback.
+"""Speculative decoding in the runner: verification (greedy, or rejection sampling at
+temperature > 0) and cache rollback. The draft sources live in `drafts` (re-exported here).
 
 One verify step per decoding request (docs/speculative.md)::
 
     draft  = source.propose(...)                       k tokens after the pending token
     extend_draft_batch(requests, [pending, d1..dk])    T = k + 1 tokens, private pages
     one target forward over all T rows                 logits of every row
-    accept the longest prefix with d_i == argmax(row i-1), plus the target's next token
+    greedy: the longest prefix with d_i == argmax(row i-1), plus the target's next token
+    T > 0:  rejection sampling (`rejection`): d_i kept with probability min(1, p/q), then a
+            residual or bonus sample
     cut at max_new_tokens / the stop token; rollback(request, T - emitted)
 
 so the cache holds exactly ``prompt + output[:-1]`` afterwards, as without speculation, and the
-output is the target's greedy output whatever the draft proposes.
+output is the target's greedy output (or a sample of the target's distribution) whatever the
+draft proposes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
-from shadowradix import CacheConfig, PageTableDelta, ReadPlan, ShadowRadixCache
-from shadowradix.request import Request
+from shadowradix import PageTableDelta, ReadPlan, ShadowRadixCache
 
+from .drafts import (
+    DraftBatch,
+    DraftContext,
+    DraftError,
+    DraftSource,
+    MTPDraft,
+    OracleDraft,
+    SampledDraft,
+)
 from .graph_verify import GraphVerifier
-from .model_config import VOCAB_SIZE, ModelConfig
-from .mtp import MTPDrafter
+from .model_config import ModelConfig
 from .pools import KVPools
 from .rejection import accept_sampled
 from .runner_stats import RunnerStats
 from .sequence import GenerationResult, _Seq
 from .weights import ModelWeights
 
-
-class DraftError(ValueError):
-    """A draft source returned something other than ``k`` token ids per request."""
-
-
-@dataclass(frozen=True)
-class DraftContext:
-    """What a draft source may use, given once by the runner (`DraftSource.bind`)."""
-
-    weights: ModelWeights
-    pools: KVPools
-    cache_config: CacheConfig
-    max_batch: int
-    num_tokens: int  # k
-    use_graphs: bool
-
-
-@dataclass(frozen=True)
-class DraftBatch:
-    """The requests to draft for. Request ``i`` has committed ``requests[i].length`` tokens
-    (``prompts[i] + outputs[i][:-1]``); ``outputs[i][-1]`` is its pending token. ``hidden``:
-    the main model's hidden state at each request's last committed position ``(B, D)``, when
-    the source `uses_mtp`. ``deltas``: the page-table deltas since the last draft (for a source
-    keeping device tables)."""
-
-    requests: tuple[Request, ...]
-    prompts: tuple[list[int], ...]
-    outputs: tuple[list[int], ...]
-    hidden: torch.Tensor | None
-    num_tokens: int
-    deltas: tuple[PageTableDelta, ...] = ()
-
-
-class DraftSource(Protocol):
-    """Proposes ``k`` tokens per request. ``uses_mtp``: the runner must keep the MTP layer's
-    state (its SWA KV, the page hidden states) in every forward, and pass ``hidden``."""
-
-    uses_mtp: bool
-
-    def bind(self, context: DraftContext) -> None:
-        """Called once by the runner before any `propose`."""
-        ...
-
-    def propose(self, batch: DraftBatch) -> list[list[int]]:
-        """Exactly ``batch.num_tokens`` token ids per request (else the runner raises
-        `DraftError`)."""
-        ...
-
-
-class OracleDraft:
-    """The target's own greedy continuation with errors injected: a controllable acceptance.
-
-    ``continuations[prompt]`` is the target's greedy output for ``prompt`` (from a reference or
-    a non-speculative run). Each drafted token is the true next token with probability
-    ``accept_rate`` and a wrong one otherwise (seeded); past the end of the table, or for an
-    unknown prompt, drafts are wrong. ``accept_rate=1`` accepts every draft of a greedy run."""
-
-    uses_mtp = False
-
-    def __init__(
-        self,
-        continuations: Mapping[tuple[int, ...], Sequence[int]],
-        accept_rate: float,
-        seed: int = 0,
-    ) -> None:
-        if not 0.0 <= accept_rate <= 1.0:
-            raise ValueError(f"accept_rate must be in [0, 1], got {accept_rate}")
-        self.accept_rate = accept_rate
-        self._table = {tuple(p): list(c) for p, c in continuations.items()}
-        self._rng = np.random.default_rng(seed)
-        self._vocab = VOCAB_SIZE  # the bound model's, once bound
-
-    def bind(self, context: DraftContext) -> None:
-        self._vocab = context.weights.config.vocab_size
-
-    def propose(self, batch: DraftBatch) -> list[list[int]]:
-        k, out = batch.num_tokens, []
-        for prompt, output in zip(batch.prompts, batch.outputs):
-            cont = self._table.get(tuple(prompt), [])
-            true = np.full(k, -1, dtype=np.int64)
-            known = cont[len(output) : len(output) + k]
-            true[: len(known)] = known
-            keep = (self._rng.random(k) < self.accept_rate) & (true >= 0)
-            wrong = (np.maximum(true, 0) + self._rng.integers(1, self._vocab, k)) % self._vocab
-            out.append(np.where(keep, true, wrong).tolist())
-        return out
-
-
-class MTPDraft:
-    """Drafts with the model's MTP layer: k chained MTP steps per request (`MTPDrafter`)."""
-
-    uses_mtp = True
-
-    def __init__(self) -> None:
-        self.drafter: MTPDrafter | None = None
-
-    def bind(self, context: DraftContext) -> None:
-        self.drafter = MTPDrafter(
-            context.weights,
-            context.pools,
-            context.cache_config,
-            context.max_batch,
-            context.cache_config.full_capacity,
-            context.num_tokens,
-            use_graphs=context.use_graphs,
-        )
-
-    def propose(self, batch: DraftBatch) -> list[list[int]]:
-        if self.drafter is None or batch.hidden is None:
-            raise RuntimeError("MTPDraft is not bound to a runner")
-        pending = [o[-1] for o in batch.outputs]
-        tokens = self.drafter.draft(list(batch.requests), pending, batch.hidden, batch.deltas)
-        return tokens.tolist()  # type: ignore[no-any-return]
+__all__ = [
+    "DraftBatch",
+    "DraftContext",
+    "DraftError",
+    "DraftSource",
+    "MTPDraft",
+    "OracleDraft",
+    "SampledDraft",
+    "SpecStats",
+    "SpeculativeDecoder",
+    "accept_greedy",
+    "cut_emission",
+]
 
 
 @dataclass
@@ -257,24 +167,42 @@ class SpeculativeDecoder:
             )
         )
 
-    def _propose(self, runner: VerifyHost, seqs: list[_Seq]) -> list[list[int]]:
+    def _propose(self, runner: VerifyHost, seqs: list[_Seq]):
+        """The drafts ``list[list[int]]`` and their distributions ``(B, k, V)`` (``None``: a
+        deterministic source)."""
         t0 = time.perf_counter()
         hidden = None
         if self.draft.uses_mtp:
             hidden = torch.stack([runner._hidden_of(s) for s in seqs])
+        k = self.num_tokens
+        uniforms = torch.stack(
+            [torch.zeros(k, dtype=torch.float64) if s.sampler.greedy else s.sampler.uniforms(k)
+             for s in seqs]
+        )  # fmt: skip
         batch = DraftBatch(
             tuple(s.req for s in seqs),
             tuple(s.result.prompt for s in seqs),
             tuple(s.result.output for s in seqs),
             hidden,
-            self.num_tokens,
+            k,
             tuple(self._undrafted),
+            tuple(float(s.params.temperature) for s in seqs),
+            uniforms,
         )
         self._undrafted = []
-        drafts = self.draft.propose(batch)
+        proposal = self.draft.propose(batch)
+        drafts, probs = proposal, None
+        if isinstance(proposal, SampledDraft):
+            drafts, probs = proposal.tokens, proposal.probs
+            self._check_probs(probs, len(seqs), runner.model.vocab_size)
         self._check(drafts, len(seqs), runner.model.vocab_size)
         self.stats.draft_s += time.perf_counter() - t0
-        return drafts
+        return drafts, probs
+
+    def _check_probs(self, probs: object, batch: int, vocab: int) -> None:
+        shape = (batch, self.num_tokens, vocab)
+        if not isinstance(probs, torch.Tensor) or tuple(probs.shape) != shape:
+            raise DraftError(f"SampledDraft.probs must be a tensor of shape {shape}")
 
     def _check(self, drafts: object, batch: int, vocab: int) -> None:
         k = self.num_tokens
@@ -288,14 +216,17 @@ class SpeculativeDecoder:
 
     def decode(self, runner: VerifyHost, seqs: list[_Seq]) -> list[GenerationResult]:
         """One verify step for ``seqs`` (each with exactly one pending token)."""
-        drafts = self._propose(runner, seqs)
+        drafts, probs = self._propose(runner, seqs)
         chunks = [[s.result.output[-1]] + d for s, d in zip(seqs, drafts)]
+        row = {id(s): i for i, s in enumerate(seqs)}  # the extend may preempt some of seqs
         seqs, chunks, alloc = runner._extend(seqs, chunks, draft=True)
         if alloc is None:
             return []
         self._note(alloc.deltas)
+        if probs is not None:
+            probs = probs[torch.tensor([row[id(s)] for s in seqs], dtype=torch.long)]
         logits, hidden = self._verify(runner, seqs, chunks, alloc)
-        emitted = self._settle(runner, seqs, chunks, logits, hidden)
+        emitted = self._settle(runner, seqs, chunks, logits, hidden, probs)
         runner.stats.decode_tokens += sum(len(e) for e in emitted)
         done: list[GenerationResult] = []
         for s, e in zip(seqs, emitted):
@@ -311,14 +242,13 @@ class SpeculativeDecoder:
             self._unverified += deltas
         self._undrafted += deltas
 
-    def _settle(self, runner: VerifyHost, seqs, chunks, logits, hidden) -> list[list[int]]:
+    def _settle(self, runner: VerifyHost, seqs, chunks, logits, hidden, probs) -> list[list[int]]:
         """Accepts, cuts at max_new_tokens / stop tokens, rolls back the rest (in reverse batch
         order: a full rejection restores the free stacks exactly) and keeps the hidden state
         of each request's last kept row. Returns the tokens to emit per request."""
         t = self.num_tokens + 1
-        emitted, accepted = self._accept(
-            seqs, [c[1:] for c in chunks], logits.view(len(seqs), t, -1)
-        )
+        rows = logits.view(len(seqs), t, -1)
+        emitted, accepted = self._accept(seqs, [c[1:] for c in chunks], rows, probs)
         emitted = [
             cut_emission(e, s.params.max_new_tokens - len(s.result.output), s.params.stop_token)
             for s, e in zip(seqs, emitted)
@@ -333,15 +263,17 @@ class SpeculativeDecoder:
         self._count(seqs, emitted, accepted)
         return emitted
 
-    def _accept(self, seqs: list[_Seq], drafts: list[list[int]], logits: torch.Tensor):
+    def _accept(self, seqs: list[_Seq], drafts: list[list[int]], logits: torch.Tensor, probs):
         """Greedy requests keep the drafts equal to the target's argmax (`accept_greedy`);
-        temperature requests go through rejection sampling (`rejection.accept_sampled`)."""
+        temperature requests go through rejection sampling (`rejection.accept_sampled`) against
+        the draft's distributions ``probs`` (``None``: one-hot)."""
         emitted, accepted = accept_greedy(drafts, logits.argmax(dim=-1).tolist())
         sampled = [i for i, s in enumerate(seqs) if not s.sampler.greedy]
         if sampled:
             rows = logits[torch.tensor(sampled, device=logits.device)]
+            q = None if probs is None else probs[torch.tensor(sampled)]
             e, a = accept_sampled(
-                [seqs[i].sampler for i in sampled], [drafts[i] for i in sampled], rows
+                [seqs[i].sampler for i in sampled], [drafts[i] for i in sampled], rows, q
             )
             for i, ei, ai in zip(sampled, e, a):
                 emitted[i], accepted[i] = ei, ai

@@ -17,10 +17,11 @@ import torch
 from small_models import SMALL
 
 from adapters.model_config import preset
+from adapters.mtp import reference_mtp_draft
 from adapters.rejection import RejectionResult, rejection_sample
 from adapters.runner import Runner
 from adapters.sampling import SamplingParams
-from adapters.speculative import OracleDraft
+from adapters.speculative import DraftBatch, MTPDraft, OracleDraft, SampledDraft
 from adapters.weights import init_weights
 
 V, K, N = 8, 2, 40_000
@@ -125,14 +126,40 @@ def weights():
     return init_weights(CFG, "cpu", torch.float64)
 
 
-def runner(k: int | None, draft=None) -> Runner:
+def runner(k: int | None, draft=None, graph: bool = False) -> Runner:
     cc = CFG.cache_config(
         page_size=4, full_capacity=512, swa_capacity=128, speculative=k is not None
     )
-    kw = {} if k is None else {"speculative_tokens": k, "draft": draft}
+    kw = {} if k is None else {"speculative_tokens": k, "draft": draft, "graph_decode": graph}
     return Runner(
         CFG, cc, device="cpu", dtype=torch.float64, weights=weights(), chunk_tokens=7, **kw
     )
+
+
+class CheckedSampledMTP(MTPDraft):
+    """`MTPDraft` checking its sampled proposals: the first draft's distribution is the dense
+    reference MTP's softmax(logits / T), every draft has positive probability under its own
+    distribution, and greedy requests in the batch draft the reference's greedy tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checked = 0
+
+    def propose(self, batch: DraftBatch) -> list[list[int]] | SampledDraft:
+        out = super().propose(batch)
+        sampled = isinstance(out, SampledDraft)
+        assert sampled == any(t > 0 for t in batch.temperatures)
+        for i, (p, o, t) in enumerate(zip(batch.prompts, batch.outputs, batch.temperatures)):
+            tokens, logits = reference_mtp_draft(weights(), p + o, batch.num_tokens)
+            if t == 0:
+                assert (out.tokens if isinstance(out, SampledDraft) else out)[i] == tokens
+                continue
+            assert isinstance(out, SampledDraft)
+            expected = torch.softmax(logits[0].double() / t, dim=-1)
+            torch.testing.assert_close(out.probs[i, 0], expected, rtol=0, atol=1e-12)
+            assert all(out.probs[i, j, x] > 0 for j, x in enumerate(out.tokens[i]))
+            self.checked += 1
+        return out
 
 
 def outputs(r: Runner, params: list[SamplingParams]) -> list[list[int]]:
@@ -147,16 +174,51 @@ def test_speculative_temperature_sampling_runs_reproducibly_and_greedy_stays_exa
     plain = outputs(runner(None), [greedy] * 3)
     mixed = [SamplingParams(12, 0.8, seed=1), greedy, SamplingParams(12, 1.5, seed=2)]
     table = {tuple(p): o for p, o in zip(PROMPTS, plain)}
-    drafts = (lambda: None, lambda: OracleDraft(table, 0.9, seed=0))  # MTP, long acceptances
+    checked, runs_mtp = CheckedSampledMTP(), []
+    drafts = (lambda: checked, lambda: OracleDraft(table, 0.9, seed=0))  # MTP, long acceptances
     for make_draft in drafts:
         runs = [outputs(runner(3, make_draft()), mixed) for _ in range(2)]
+        runs_mtp = runs_mtp if make_draft is not drafts[0] else runs[0]
         assert runs[0] == runs[1]  # the seeds fix every draw
         out = runs[0]
         assert out[1] == plain[1]  # the greedy request in the batch is plain decoding's
         assert all(len(o) == 12 and all(0 <= t < CFG.vocab_size for t in o) for o in out)
         assert out[0] != plain[0] and out[2] != plain[2]  # sampled, not greedy
+    assert checked.checked > 8
+    assert outputs(runner(3, graph=True), mixed) == runs_mtp  # GraphVerifier (eager on the CPU)
     r = runner(3, OracleDraft(table, 1.0))
     assert outputs(r, [greedy] * 3) == plain
     assert r.spec.stats.mean_acceptance_length > 3.5  # the oracle's greedy drafts all accepted
     other = outputs(runner(3), [SamplingParams(12, 0.8, seed=7)] * 3)
     assert other[0] != runs[0][0]  # another seed, another sample
+
+
+def conditional_probs(prompt: list[int], temperature: float) -> torch.Tensor:
+    """The distribution plain sampling draws the token after ``prompt`` from."""
+    rows: list[torch.Tensor] = []
+    r = runner(None)
+    r.on_logits = lambda results, logits: rows.append(logits[0].clone())
+    r.submit(prompt, SamplingParams(1))
+    r.run()
+    return torch.softmax(rows[0].double() / temperature, dim=-1)
+
+
+@pytest.mark.parametrize("source", ["mtp", "oracle"])
+def test_the_first_verified_token_follows_the_target_distribution(source: str) -> None:
+    """Many seeds of one prompt, 2 tokens each: the second token is the first one a verify
+    step emits. Each sample ``y`` given its first token ``a`` is mapped through the randomised
+    probability integral transform of ``p(. | prompt, a)`` (uniform on [0, 1) exactly when
+    ``y ~ p``), binned into 8 and χ²-tested."""
+    temperature, prompt, n = 0.15, PROMPTS[0], 400
+    greedy = outputs(runner(None), [SamplingParams(3)] * 3)[0]
+    draft = None if source == "mtp" else OracleDraft({tuple(prompt): greedy}, 1.0)
+    r = runner(2, draft)
+    for seed in range(n):
+        r.submit(prompt, SamplingParams(2, temperature, seed=seed))
+    pairs = [tuple(res.output) for res in r.run()]
+    cond = {a: conditional_probs(prompt + [a], temperature) for a in {a for a, _ in pairs}}
+    jitter = torch.rand(n, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    pit = torch.stack([cond[a][:y].sum() + u * cond[a][y] for (a, y), u in zip(pairs, jitter)])
+    bins = (pit * V).long().clamp(max=V - 1)
+    assert chi2(bins, torch.full((V,), 1.0 / V)) < CHI2_CRIT_7
+    assert r.spec.stats.accepted_tokens > (n // 5 if source == "oracle" else -1)
