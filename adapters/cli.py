@@ -106,7 +106,8 @@ def add_run_parser(sub) -> None:
         "--speculative",
         type=positive,
         metavar="K",
-        help="speculative decoding: the MTP layer drafts K tokens per step (greedy only)",
+        help="speculative decoding: the MTP layer drafts K tokens per step (rejection sampling "
+        "at --temperature > 0)",
     )
     run.add_argument(
         "--schedule",
