@@ -144,7 +144,10 @@ def test_kv_events_report_a_move_as_evicted_then_inserted_with_the_same_hashes()
     moved = dict(zip(report.full_moves.src, report.full_moves.dst))
     events = cache.take_events()
     kinds = [e.kind for e in events]
-    assert kinds and set(kinds) == {KvEventKind.EVICTED, KvEventKind.INSERTED}
+    assert kinds and set(kinds) == {KvEventKind.EVICTED, KvEventKind.INSERTED, KvEventKind.FREED}
+    freed = [v for e in events if e.kind is KvEventKind.FREED for v in e.vpages]
+    private = set(moved) - set(before.values())  # the running request's own pages
+    assert private and sorted(freed) == sorted(private)  # their old ids leave use: FREED
     after = dict(before)
     for e in events:
         if e.kind is KvEventKind.INSERTED:
