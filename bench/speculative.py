@@ -43,6 +43,7 @@ from adapters.sampling import SamplingParams  # noqa: E402
 from adapters.speculative import DraftSource, MTPDraft, OracleDraft, SpecStats  # noqa: E402
 from adapters.weights import ModelWeights, init_weights  # noqa: E402
 from adapters.weights_file import load_shipped, shipped_path  # noqa: E402
+from bench.meta import run_meta  # noqa: E402
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -250,7 +251,7 @@ def main() -> int:
                 )
                 del runner
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"meta": run_meta(), "rows": rows}, indent=1))
     return 0
 
 

@@ -498,7 +498,8 @@ def test_speculative_bench_runs(tmp_path, monkeypatch, capsys) -> None:
         assert bench.main() == 0
     finally:
         torch.set_num_threads(threads)
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["rows"]
+    assert json.loads(out.read_text())["meta"]["command"].startswith("python")  # where it came from
     assert [(r["source"], r["k"], r["batch"]) for r in rows] == [
         ("oracle:1.0", 2, 2),
         ("mtp", 2, 2),
