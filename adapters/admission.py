@@ -279,11 +279,16 @@ class Admission(RunnerBase):
                 alloc = extend([s.req for s in seqs], chunks)
                 return seqs, chunks, alloc
             except CapacityError as err:
-                short = err.needed_pages - err.available_pages
-                if self._rebalance(err.pool, short) or self._preempt():
-                    continue
-                if not self._rebalance(err.pool, short, force=True):
-                    raise
+                self._yield_room(err)
+
+    def _yield_room(self, err: CapacityError) -> None:
+        """After an extend failed with ``err``: the starving pool given the other's memory, else
+        a request preempted, else the re-balance forced; re-raises ``err`` if none frees room."""
+        short = err.needed_pages - err.available_pages
+        if self._rebalance(err.pool, short) or self._preempt():
+            return
+        if not self._rebalance(err.pool, short, force=True):
+            raise err
 
     def _working_set(self, seq: _Seq, num_tokens: int) -> int:
         """Upper bound of the C4 pages one request's ``num_tokens`` new queries read (HiSparse):

@@ -87,8 +87,8 @@ class Overlap(Admission, Forward, Emission):
         return self._resolve(self._inflight) if self._inflight is not None else []
 
     def _extend_pending(self, seqs: list[_Seq]) -> tuple[list[_Seq], StepPlan | None]:
-        """`extend_pending_batch` that makes room as `Admission._extend` does (the starving
-        pool given the other's memory, else a request preempted) until it fits."""
+        """`extend_pending_batch` that makes room as `Admission._extend` does (`_yield_room`)
+        until it fits."""
         while True:
             live = [s for s in seqs if s.request is not None]
             if not live:
@@ -96,11 +96,7 @@ class Overlap(Admission, Forward, Emission):
             try:
                 return live, self.cache.extend_pending_batch([s.req for s in live])
             except CapacityError as err:
-                short = err.needed_pages - err.available_pages
-                if self._rebalance(err.pool, short) or self._preempt():
-                    continue
-                if not self._rebalance(err.pool, short, force=True):
-                    raise
+                self._yield_room(err)
 
     def _launch(self, seqs: list[_Seq], plan: StepPlan, prev: InFlightStep | None) -> InFlightStep:
         """Queues the decode forward of ``seqs`` and its greedy sampling on the device; no
