@@ -2,9 +2,10 @@
 corpus and writes its weights (docs/training.md).
 
 ``--device cpu`` is a smoke run (the committed fixture excerpt unless ``--corpus``, a few
-steps); ``--device cuda`` the real run on the full corpus (``python -m adapters.corpus fetch``
-first). ``--ship`` writes the package's file (``adapters/trained/``) and prints the SHA-256 line
-to record in `adapters.weights_file.SHIPPED`.
+steps); ``--device cuda`` the real run on the full corpus (``python -m adapters.training.corpus
+fetch``
+first). ``--ship`` writes the package's file (``adapters/model/trained/``) and prints the SHA-256 line
+to record in `adapters.model.weights_file.SHIPPED`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from .corpus import DEFAULT_DIR, FIXTURE_DIR, CorpusError, load_split
-from .device import resolve_device
+from adapters.memory.device import resolve_device
+from adapters.model.weights_file import SHIPPED, save_weights
+from adapters.training.corpus import DEFAULT_DIR, FIXTURE_DIR, CorpusError, load_split
+
 from .training.loop import TrainConfig, TrainResult, train
-from .weights_file import SHIPPED, save_weights
 
 #: the smoke run (CPU) and the real run (one H200: about 8 minutes, docs/training.md)
 PROFILES = {
@@ -44,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
     p.add_argument("--out", type=Path, help="weights file (default train_out/<preset>.safetensors)")
     p.add_argument(
-        "--ship", action="store_true", help="write the package's file (adapters/trained)"
+        "--ship", action="store_true", help="write the package's file (adapters/model/trained)"
     )
     p.add_argument("--log", type=Path, help="JSON record of the run (default: next to --out)")
     p.add_argument("--checkpoint", type=Path, help="resumable checkpoint (.pt), every 500 steps")
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"train: {result.steps_done} steps in {result.wall_s:.0f} s{early}; weights {out} "
           f"({out.stat().st_size} bytes), SHA-256 {sha}")  # fmt: skip
     if args.ship:
-        print(f"record it in adapters/weights_file.py: SHIPPED[{tc.preset!r}] = "
+        print(f"record it in adapters/model/weights_file.py: SHIPPED[{tc.preset!r}] = "
               f"ShippedWeights({out.name!r}, {sha!r})")  # fmt: skip
     return 0
 

@@ -22,7 +22,7 @@ rows (slot table); prefill 4096 queries of one request with 512 selected rows ea
    one graph of that loop, replayed. TFLOP/s: ``4 H d`` per visible (query, row); TB/s: the
    logical traffic, every visible row once per query plus q, out and the indices (shared C128
    rows are re-read per query, from L2: there the figure exceeds HBM bandwidth).
-3. FP8 window: the SWA pool quantised to FP8 (`adapters.formats.quantize`: e4m3 + one fp32
+3. FP8 window: the SWA pool quantised to FP8 (`adapters.memory.formats.quantize`: e4m3 + one fp32
    scale per row, ``window_scale``), checked as in 1 against the reference on the same FP8 pool
    and timed next to the bf16 window, for decode B = 32 (C4) and the C4 prefill; every case on
    its own, so one failure does not hide the other. ``--fp8-only`` runs just this part.
@@ -56,10 +56,10 @@ if "--smoke" in sys.argv:  # before Triton is imported and the kernels are decor
 
 import torch  # noqa: E402
 
-from adapters import ops  # noqa: E402
-from adapters.formats import CacheFormat, quantize  # noqa: E402
 from adapters.kernels.attention_reference import sparse_attention_reference  # noqa: E402
 from adapters.kernels.rows import PoolRows  # noqa: E402
+from adapters.memory.formats import CacheFormat, quantize  # noqa: E402
+from adapters.model import ops  # noqa: E402
 
 SEED = 1234
 SWEEP = [  # (block_h, block_k, num_warps, num_stages); the first is the default

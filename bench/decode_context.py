@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.graph_decode import GraphDecoder  # noqa: E402
-from adapters.model_config import preset  # noqa: E402
-from adapters.pools import KVPools  # noqa: E402
-from adapters.weights import init_weights  # noqa: E402
+from adapters.forward.graph_decode import GraphDecoder  # noqa: E402
+from adapters.memory.pools import KVPools  # noqa: E402
+from adapters.model.model_config import preset  # noqa: E402
+from adapters.model.weights import init_weights  # noqa: E402
 from shadowradix import ShadowRadixCache  # noqa: E402
 
 

@@ -22,13 +22,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.model_config import preset  # noqa: E402
-from adapters.paged import build_step, run_step  # noqa: E402
-from adapters.pools import KVPools  # noqa: E402
-from adapters.reference import reference_generate, reference_logits  # noqa: E402
-from adapters.runner import Runner  # noqa: E402
-from adapters.sampling import SamplingParams  # noqa: E402
-from adapters.weights import init_weights  # noqa: E402
+from adapters.engine.runner import Runner  # noqa: E402
+from adapters.engine.sampling import SamplingParams  # noqa: E402
+from adapters.forward.paged import build_step, run_step  # noqa: E402
+from adapters.memory.pools import KVPools  # noqa: E402
+from adapters.model.model_config import preset  # noqa: E402
+from adapters.model.reference import reference_generate, reference_logits  # noqa: E402
+from adapters.model.weights import init_weights  # noqa: E402
 from shadowradix import ShadowRadixCache  # noqa: E402
 
 SMALL = dict(

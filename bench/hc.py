@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters import ops  # noqa: E402
 from adapters.kernels.hc import flash_hc_merge, flash_sinkhorn  # noqa: E402
+from adapters.model import ops  # noqa: E402
 from bench.meta import run_meta  # noqa: E402
 from bench.timing import eager_us, graph_us  # noqa: E402
 

@@ -15,7 +15,8 @@
    inside a CUDA graph (replays of back-to-back calls, median per call; at B = 1 the calls
    alternate between two pools so that the 64 MiB of keys do not stay in L2), the kernel vs
    the old path ``ops.index_scores(q, w, keys[slots])`` masked (slots precomputed, gathered per
-   query as `adapters.paged` did before `PoolRows`; the prefill in chunks of 64 queries, whose
+   query as `adapters.forward.paged` did before `PoolRows`; the prefill in chunks of 64 queries,
+   whose
    gathered keys and ``(64, H, G)`` products fit). TB/s counts the key bytes read
    (``B * G * d * bytes``; FP4: ``d / 2`` bytes and its block scales) against 4.22 TB/s (the
    measured device-to-device copy). FP4 keys (V4.1, `formats.quantize`) are checked and timed
@@ -80,9 +81,9 @@ class Run:
         self.rows: list[dict] = []
         self.sweep: list[dict] = []
         self.fp8: list[dict] = []
-        from adapters import ops
         from adapters.kernels import indexer, indexer_reference
         from adapters.kernels.rows import PoolRows
+        from adapters.model import ops
 
         self.ops, self.ix, self.ref, self.PoolRows = ops, indexer, indexer_reference, PoolRows
         self.heads, self.dim = (4, 32) if self.smoke else (64, 128)
@@ -141,7 +142,7 @@ class Run:
             scale = torch.rand(pool_rows, generator=gen, device=dev) * 0.1 + 0.02
             keys = (keys / scale[:, None]).clamp(-448, 448)
         if kdt == FP4:  # `formats.quantize`: the bytes and block scales the cache stores
-            from adapters.formats import CacheFormat, quantize
+            from adapters.memory.formats import CacheFormat, quantize
 
             fp4 = quantize(keys, CacheFormat.FP4)
             return q, w, fp4.values, fp4.scales

@@ -106,7 +106,7 @@ class Timer:
 
 
 def _ops():
-    from adapters import ops
+    from adapters.model import ops
 
     return ops
 

@@ -37,12 +37,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import adapters.kernels as kernels  # noqa: E402
-from adapters.formats import CacheFormat  # noqa: E402
-from adapters.model_config import preset  # noqa: E402
-from adapters.runner import Runner  # noqa: E402
-from adapters.sampling import SamplingParams  # noqa: E402
-from adapters.tokenizer import ByteTokenizer  # noqa: E402
-from adapters.weights import init_weights  # noqa: E402
+from adapters.engine.runner import Runner  # noqa: E402
+from adapters.engine.sampling import SamplingParams  # noqa: E402
+from adapters.memory.formats import CacheFormat  # noqa: E402
+from adapters.model.model_config import preset  # noqa: E402
+from adapters.model.tokenizer import ByteTokenizer  # noqa: E402
+from adapters.model.weights import init_weights  # noqa: E402
 from bench.compile_watch import CompileWatch  # noqa: E402
 from bench.meta import run_meta  # noqa: E402
 

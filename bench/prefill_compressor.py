@@ -1,7 +1,8 @@
 """Paged prefill with the Flash Compressor versus the PyTorch compression chain, same process.
 
 Runs the runner's prefill (one generated token, so no decode forward) over ``--requests`` cold
-prompts of ``--prompt-len`` tokens twice per repeat: with ``adapters.paged.USE_PREFILL_KERNEL``
+prompts of ``--prompt-len`` tokens twice per repeat: with
+``adapters.forward.paged.USE_PREFILL_KERNEL``
 on and off. Prints the best prefill forward time of each, the ratio, and the largest difference
 between the two runs' first-token logits (the kernel accumulates in fp32 like the chain; the
 difference is rounding). Needs CUDA for the kernel arm.
@@ -21,11 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters import paged  # noqa: E402
-from adapters.model_config import preset  # noqa: E402
-from adapters.runner import Runner  # noqa: E402
-from adapters.sampling import SamplingParams  # noqa: E402
-from adapters.weights import init_weights  # noqa: E402
+from adapters.engine.runner import Runner  # noqa: E402
+from adapters.engine.sampling import SamplingParams  # noqa: E402
+from adapters.forward import paged  # noqa: E402
+from adapters.model.model_config import preset  # noqa: E402
+from adapters.model.weights import init_weights  # noqa: E402
 
 
 def prefill(model, weights, prompts, chunk: int, page: int) -> tuple[float, torch.Tensor]:

@@ -21,11 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.formats import CacheFormat  # noqa: E402
-from adapters.model_config import preset  # noqa: E402
-from adapters.sampling import SamplingParams  # noqa: E402
-from adapters.tokenizer import ByteTokenizer  # noqa: E402
-from adapters.weights import init_weights  # noqa: E402
+from adapters.engine.sampling import SamplingParams  # noqa: E402
+from adapters.memory.formats import CacheFormat  # noqa: E402
+from adapters.model.model_config import preset  # noqa: E402
+from adapters.model.tokenizer import ByteTokenizer  # noqa: E402
+from adapters.model.weights import init_weights  # noqa: E402
 from bench.long_context import corpus, make_runner  # noqa: E402
 from bench.meta import run_meta  # noqa: E402
 

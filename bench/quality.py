@@ -12,7 +12,7 @@ computes. Nothing in ``adapters/`` changes.
 1. **Exactness** (``--exact-docs`` documents of ``--exact-bytes`` held-out bytes, fp64): each
    document is scored by two requests, ``BOS + doc[:half]`` and then ``BOS + doc`` (admitted
    on a cache hit of the first one), and every log-probability is compared with the dense
-   reference (`adapters.reference.reference_logits`): max |difference| (0.0 expected).
+   reference (`adapters.model.reference.reference_logits`): max |difference| (0.0 expected).
 2. **Approximations** (``--long-docs`` documents of ``--long-bytes`` held-out bytes,
    ``--dtype``): bits per byte of the last ``--score-bytes`` bytes against the exact runner's,
    and greedy agreement over ``--greedy-tokens`` tokens generated after the whole document:
@@ -20,7 +20,7 @@ computes. Nothing in ``adapters/`` changes.
    * ``bounded replay``: ``doc[:-score]`` cached, every window tombstoned, then ``doc``
      admitted on a REPLAY hit (its window rebuilt from ``W`` tokens, docs/replay.md);
    * ``fp8 index`` / ``fp4 index`` / ``fp8 swa``: the cache formats of the indexer keys and of
-     the window KV (`adapters.formats.CacheFormat`), the whole document scored;
+     the window KV (`adapters.memory.formats.CacheFormat`), the whole document scored;
    * ``hisparse``: C4 KV in a host mirror with a ``--hisparse-pages`` device buffer (exact by
      construction: the delta should be 0);
    * ``tail-only``: needs a V4.1-shared model; the trained model is unshared, so it is
@@ -45,16 +45,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from adapters.corpus import load_split  # noqa: E402
-from adapters.device import resolve_device  # noqa: E402
-from adapters.formats import CacheFormat  # noqa: E402
-from adapters.model_config import ModelConfig, preset  # noqa: E402
-from adapters.reference import reference_logits  # noqa: E402
-from adapters.runner import GenerationResult, Runner  # noqa: E402
-from adapters.sampling import SamplingParams  # noqa: E402
-from adapters.tokenizer import BOS  # noqa: E402
-from adapters.weights import ModelWeights  # noqa: E402
-from adapters.weights_file import load_shipped  # noqa: E402
+from adapters.engine.runner import GenerationResult, Runner  # noqa: E402
+from adapters.engine.sampling import SamplingParams  # noqa: E402
+from adapters.memory.device import resolve_device  # noqa: E402
+from adapters.memory.formats import CacheFormat  # noqa: E402
+from adapters.model.model_config import ModelConfig, preset  # noqa: E402
+from adapters.model.reference import reference_logits  # noqa: E402
+from adapters.model.tokenizer import BOS  # noqa: E402
+from adapters.model.weights import ModelWeights  # noqa: E402
+from adapters.model.weights_file import load_shipped  # noqa: E402
+from adapters.training.corpus import load_split  # noqa: E402
 from bench.meta import run_meta  # noqa: E402
 
 EVERYTHING = 10**15

@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.formats import CacheFormat, RowLayout, write_rows  # noqa: E402
 from adapters.kernels.quantize import fp8_store  # noqa: E402
+from adapters.memory.formats import CacheFormat, RowLayout, write_rows  # noqa: E402
 from bench.meta import run_meta  # noqa: E402
 from bench.timing import eager_us, graph_us  # noqa: E402
 

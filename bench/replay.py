@@ -22,7 +22,7 @@ Measured, over the follow-ups only:
    prefix, and per position). The exact runner's divergence on the same prompts is the dtype's
    noise floor (0 in float64: exact reuse is bit-identical to recomputation).
 3. With ``--oracle``: the same first-position logits against the explicit replay oracle
-   (`adapters.replay_reference`, dense, on the same device): 0 in float64, rounding otherwise;
+   (`adapters.model.replay_reference`, dense, on the same device): 0 in float64, rounding otherwise;
    it shows the divergence above is the replay's approximation, not a bug.
 
 Prints a table; ``--json`` writes every figure.
@@ -45,12 +45,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.device import resolve_device  # noqa: E402
-from adapters.model_config import ModelConfig, preset  # noqa: E402
-from adapters.replay_reference import replay_reference_logits  # noqa: E402
-from adapters.runner import GenerationResult, Runner  # noqa: E402
-from adapters.sampling import SamplingParams  # noqa: E402
-from adapters.weights import ModelWeights, init_weights  # noqa: E402
+from adapters.engine.runner import GenerationResult, Runner  # noqa: E402
+from adapters.engine.sampling import SamplingParams  # noqa: E402
+from adapters.memory.device import resolve_device  # noqa: E402
+from adapters.model.model_config import ModelConfig, preset  # noqa: E402
+from adapters.model.replay_reference import replay_reference_logits  # noqa: E402
+from adapters.model.weights import ModelWeights, init_weights  # noqa: E402
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 EVERYTHING = 10**15

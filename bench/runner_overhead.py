@@ -38,10 +38,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.model_config import ModelConfig, preset  # noqa: E402
-from adapters.runner import Runner  # noqa: E402
-from adapters.sampling import SamplingParams  # noqa: E402
-from adapters.weights import ModelWeights, init_weights  # noqa: E402
+from adapters.engine.runner import Runner  # noqa: E402
+from adapters.engine.sampling import SamplingParams  # noqa: E402
+from adapters.model.model_config import ModelConfig, preset  # noqa: E402
+from adapters.model.weights import ModelWeights, init_weights  # noqa: E402
 from bench.meta import run_meta  # noqa: E402
 
 WARMUP_STEPS = 3  # graph capture of the batch's buckets, allocator warm-up

@@ -2,7 +2,7 @@
 of static SWA / full splits against run-time re-balancing (issue #14 item 5; CPU, core only).
 
 The pools cost what `KVPools` would allocate for the flash-shaped model (page 64, BF16:
-`adapters.pool_budget.pool_costs`, measured on meta tensors), and ``--budget-mib`` of them is
+`adapters.memory.pool_budget.pool_costs`, measured on meta tensors), and ``--budget-mib`` of them is
 split by SGLang's ``swa_full_tokens_ratio`` (`budget_cache_config`). The trace, deterministic:
 
 * short phase: ``--conversations`` chats over one 512-token system prompt, ``--turns`` turns
@@ -14,7 +14,7 @@ split by SGLang's ``swa_full_tokens_ratio`` (`budget_cache_config`). The trace, 
 A small scheduler drives `ShadowRadixCache` as the runner does (``--running`` requests at once,
 prefill chunks of 8192 tokens cached after each chunk, one decode token per step, the youngest
 request preempted when an extend cannot fit). Dynamic runs start from the first static split
-(``--dynamic-from``) and use `adapters.pool_balance.PoolBalance` (observed once a step,
+(``--dynamic-from``) and use `adapters.memory.pool_balance.PoolBalance` (observed once a step,
 planned on a capacity error or a failed admission check), the policy of `Runner.pool_balance`,
 keeping at least two prefill chunks and their windows of SWA. Reports the prompt hit ratio of
 each phase and overall, the capacities at the start and the end, the pools' bytes at the end,
@@ -38,9 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.model_config import FLASH_SHAPED  # noqa: E402
-from adapters.pool_balance import PoolBalance  # noqa: E402
-from adapters.pool_budget import budget_cache_config, pool_costs  # noqa: E402
+from adapters.memory.pool_balance import PoolBalance  # noqa: E402
+from adapters.memory.pool_budget import budget_cache_config, pool_costs  # noqa: E402
+from adapters.model.model_config import FLASH_SHAPED  # noqa: E402
 from bench.meta import run_meta  # noqa: E402
 from shadowradix import CapacityError, ConfigError, ShadowRadixCache  # noqa: E402
 

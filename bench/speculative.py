@@ -35,14 +35,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.corpus import FIXTURE_DIR, load_split  # noqa: E402
-from adapters.device import resolve_device  # noqa: E402
-from adapters.model_config import ModelConfig, preset  # noqa: E402
-from adapters.runner import Runner  # noqa: E402
-from adapters.sampling import SamplingParams  # noqa: E402
-from adapters.speculative import DraftSource, MTPDraft, OracleDraft, SpecStats  # noqa: E402
-from adapters.weights import ModelWeights, init_weights  # noqa: E402
-from adapters.weights_file import load_shipped, shipped_path  # noqa: E402
+from adapters.engine.runner import Runner  # noqa: E402
+from adapters.engine.sampling import SamplingParams  # noqa: E402
+from adapters.engine.speculative import DraftSource, MTPDraft, OracleDraft, SpecStats  # noqa: E402
+from adapters.memory.device import resolve_device  # noqa: E402
+from adapters.model.model_config import ModelConfig, preset  # noqa: E402
+from adapters.model.weights import ModelWeights, init_weights  # noqa: E402
+from adapters.model.weights_file import load_shipped, shipped_path  # noqa: E402
+from adapters.training.corpus import FIXTURE_DIR, load_split  # noqa: E402
 from bench.meta import run_meta  # noqa: E402
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -34,12 +34,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.device import resolve_device  # noqa: E402
-from adapters.model_config import ModelConfig, preset  # noqa: E402
-from adapters.pools import bytes_per_token  # noqa: E402
-from adapters.runner import GenerationResult, Runner  # noqa: E402
-from adapters.sampling import SamplingParams  # noqa: E402
-from adapters.weights import ModelWeights, init_weights  # noqa: E402
+from adapters.engine.runner import GenerationResult, Runner  # noqa: E402
+from adapters.engine.sampling import SamplingParams  # noqa: E402
+from adapters.memory.device import resolve_device  # noqa: E402
+from adapters.memory.pools import bytes_per_token  # noqa: E402
+from adapters.model.model_config import ModelConfig, preset  # noqa: E402
+from adapters.model.weights import ModelWeights, init_weights  # noqa: E402
 
 
 class LogitTap(Runner):

@@ -3,7 +3,7 @@ forwards take milliseconds."""
 
 from __future__ import annotations
 
-from adapters.model_config import preset
+from adapters.model.model_config import preset
 
 SMALL = dict(
     hidden=64,

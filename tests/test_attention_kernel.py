@@ -5,7 +5,8 @@ broken, so bf16 pools are only loaded and upcast). See `interpreted` for how the
 is switched on.
 
 Exactness: the kernel equals the fp32 reference within fp32 rounding (``2e-5``); a query with
-nothing visible gives exactly 0. An FP8 window pool (`adapters.formats.quantize`, one scale per
+nothing visible gives exactly 0. An FP8 window pool (`adapters.memory.formats.quantize`, one scale
+per
 row) is the same attention as its dequantised pool passed as an fp32 / bf16 / fp64 window.
 """
 
@@ -18,10 +19,10 @@ import pytest
 import torch
 from interpreted import interpreted_modules, run_check
 
-from adapters.formats import CacheFormat, dequantize, quantize
 from adapters.kernels import sparse_attention
 from adapters.kernels.attention_reference import sparse_attention_reference as reference
 from adapters.kernels.rows import PoolRows
+from adapters.memory.formats import CacheFormat, dequantize, quantize
 
 ENV_AT_IMPORT = os.environ.get("TRITON_INTERPRET")
 FAR = 2**40  # a slot no pool has: read only if a mask is ignored

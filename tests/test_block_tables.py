@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from adapters.block_tables import TableSyncError
-from adapters.graph_decode import DecodeBuffers
+from adapters.forward.graph_decode import DecodeBuffers
+from adapters.memory.block_tables import TableSyncError
 from shadowradix import CacheConfig, ShadowRadixCache
 
 CC = CacheConfig(

@@ -8,13 +8,13 @@ import pytest
 import torch
 from small_models import SHORT
 
-from adapters.budget_runner import budget_runner
-from adapters.pool_balance import PoolBalance
-from adapters.pool_budget import PoolCosts
-from adapters.run_command import summary
-from adapters.runner import Runner
-from adapters.sampling import SamplingParams
-from adapters.weights import init_weights
+from adapters.cli.run_command import summary
+from adapters.engine.budget_runner import budget_runner
+from adapters.engine.runner import Runner
+from adapters.engine.sampling import SamplingParams
+from adapters.memory.pool_balance import PoolBalance
+from adapters.memory.pool_budget import PoolCosts
+from adapters.model.weights import init_weights
 from shadowradix import CacheStats, EvictionReport, PoolStats
 
 BUDGET = 490_000  # SHORT at page 4: ~40 full pages and ~24 SWA pages at ratio 0.6

@@ -10,12 +10,12 @@ import pytest
 import torch
 from small_models import SHORT
 
-from adapters.formats import CacheFormat, QuantizedRows, dequantize
-from adapters.model_config import FLASH_SHAPED
-from adapters.pools import KVPools, bytes_per_token
-from adapters.runner import Runner
-from adapters.sampling import SamplingParams
-from adapters.weights import init_weights
+from adapters.engine.runner import Runner
+from adapters.engine.sampling import SamplingParams
+from adapters.memory.formats import CacheFormat, QuantizedRows, dequantize
+from adapters.memory.pools import KVPools, bytes_per_token
+from adapters.model.model_config import FLASH_SHAPED
+from adapters.model.weights import init_weights
 
 PROMPT = [(11 * i + 3) % 250 for i in range(45)]
 BF16, FP8 = CacheFormat.BF16, CacheFormat.FP8

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters.cli import main
-from adapters.emission import Emission
-from adapters.run_command import _Progress
-from adapters.tokenizer import EOS
+from adapters.cli.main import main
+from adapters.cli.run_command import _Progress
+from adapters.engine.emission import Emission
+from adapters.model.tokenizer import EOS
 
 
 @pytest.fixture(autouse=True)

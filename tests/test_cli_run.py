@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from adapters.cli import DEFAULT_QUESTIONS, main
+from adapters.cli.main import DEFAULT_QUESTIONS, main
 
 
 @pytest.fixture(autouse=True)
@@ -99,7 +99,7 @@ def test_version_and_interrupt(monkeypatch, capsys: pytest.CaptureFixture[str]) 
     def interrupted(args, texts):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("adapters.run_command.run_command", interrupted)
+    monkeypatch.setattr("adapters.cli.run_command.run_command", interrupted)
     assert main(["run", "x", "--device", "cpu"]) == 130
     assert capsys.readouterr().err == "shadowradix run: interrupted\n"
 
@@ -107,7 +107,7 @@ def test_version_and_interrupt(monkeypatch, capsys: pytest.CaptureFixture[str]) 
 def test_progress_counts_decode_tokens_as_they_come(capsys: pytest.CaptureFixture[str]) -> None:
     """The bar's decode share grows every step (not when a request finishes) and closes at
     100 % even when prompt tokens were reused."""
-    from adapters.run_command import _Progress
+    from adapters.cli.run_command import _Progress
 
     bar = _Progress(prompt_tokens=10, output_tokens=8, quiet=False)
     bar.update(prefilled=10, decoded=0)
@@ -137,7 +137,7 @@ def test_run_with_hisparse_reports_its_buffer(capsys: pytest.CaptureFixture[str]
 def test_cli_speculative(capsys) -> None:
     """``shadowradix run --speculative K`` drafts with the MTP layer and reports acceptance;
     with bounded replay it exits 2 with the reason (the seeds: no speculation with replay)."""
-    from adapters.cli import main
+    from adapters.cli.main import main
 
     argv = ["run", "hello there", "--device", "cpu", "--max-new-tokens", "6", "--quiet"]
     assert main(argv + ["--speculative", "2"]) == 0

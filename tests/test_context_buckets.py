@@ -12,11 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from small_models import CFG
 
-from adapters.buckets import CONTEXT_BUCKET_STEPS, context_bucket
-from adapters.reference import reference_generate
-from adapters.runner import Runner
-from adapters.sampling import SamplingParams
-from adapters.weights import init_weights
+from adapters.engine.runner import Runner
+from adapters.engine.sampling import SamplingParams
+from adapters.forward.buckets import CONTEXT_BUCKET_STEPS, context_bucket
+from adapters.model.reference import reference_generate
+from adapters.model.weights import init_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 

@@ -10,8 +10,8 @@ import tarfile
 
 import pytest
 
-from adapters import corpus
-from adapters.corpus_brs import CorpusFormatError, parse_verses, read_brs, unlzw
+from adapters.training import corpus
+from adapters.training.corpus_brs import CorpusFormatError, parse_verses, read_brs, unlzw
 
 
 def lzw(data: bytes, max_bits: int = 16) -> bytes:
@@ -115,5 +115,5 @@ def test_the_committed_fixture_is_verse_lines_of_both_splits() -> None:
     for text, size in ((split.train, corpus.FIXTURE_BYTES["train.txt"]),
                        (split.heldout, corpus.FIXTURE_BYTES["heldout.txt"])):  # fmt: skip
         assert size - 400 < len(text) <= size and text.endswith(b".\n")
-    with pytest.raises(corpus.CorpusError, match="adapters.corpus fetch"):
+    with pytest.raises(corpus.CorpusError, match="adapters.training.corpus fetch"):
         corpus.load_split(corpus.FIXTURE_DIR / "absent")

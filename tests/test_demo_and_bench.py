@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from adapters.cli import main
-from adapters.demo import DemoTrace, run_demo
+from adapters.cli.demo import DemoTrace, run_demo
+from adapters.cli.main import main
 from shadowradix import CacheConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,9 +8,9 @@ import torch
 from small_models import CFG
 
 from adapters import kernels
-from adapters.run_command import summary
-from adapters.runner import Runner
-from adapters.runner_stats import ExecutionPaths
+from adapters.cli.run_command import summary
+from adapters.engine.runner import Runner
+from adapters.engine.runner_stats import ExecutionPaths
 
 
 def _runner(**kw) -> Runner:

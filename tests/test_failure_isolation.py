@@ -13,12 +13,12 @@ import pytest
 import torch
 from small_models import CFG
 
-from adapters.cli import main
-from adapters.emission import Emission
-from adapters.forward import Forward
-from adapters.runner import FailureStage, Runner
-from adapters.sampling import SamplingParams
-from adapters.speculative import OracleDraft
+from adapters.cli.main import main
+from adapters.engine.emission import Emission
+from adapters.engine.forward import Forward
+from adapters.engine.runner import FailureStage, Runner
+from adapters.engine.sampling import SamplingParams
+from adapters.engine.speculative import OracleDraft
 from shadowradix import CapacityError
 
 PAGE = 16

@@ -1,4 +1,4 @@
-"""adapters.formats: scale rule, rounding rule (every e4m3 and e2m1 midpoint), FP4 packing
+"""adapters.memory.formats: scale rule, rounding rule (every e4m3 and e2m1 midpoint), FP4 packing
 against literal bytes, round trips within each format's error bound, exact representability,
 pool writes and reads equal to quantize / dequantize (a chunk written at once equals the same
 rows written one by one), non-finite input, errors and byte counts."""
@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapters.formats import (
+from adapters.memory.formats import (
     E2M1_GRID,
     CacheFormat,
     QuantizedRows,

@@ -1,5 +1,6 @@
 """The mHC kernels (`adapters/kernels/hc.py`) against their torch references
-(`adapters.ops.hc_merge_reference`, `adapters.ops.sinkhorn_reference`) under Triton's CPU
+(`adapters.model.ops.hc_merge_reference`, `adapters.model.ops.sinkhorn_reference`) under Triton's
+CPU
 interpreter at tiny shapes: fp32 (one rounding in the kernel, several in the reference: within
 fp32 rounding), fp16 streams (within one fp16 step of the fp32 result), channel counts that
 are not a multiple of the block, and the refusals."""
@@ -10,7 +11,7 @@ import pytest
 import torch
 from interpreted import interpreted_modules, run_check
 
-from adapters import ops
+from adapters.model import ops
 
 KERNELS = ("hc",)
 
@@ -116,8 +117,8 @@ def test_hc_mix_folds_the_norm_into_its_projections(dtype, tol) -> None:
     """`ops.hc_mix` scales ``flat @ diag(norm) W`` by the rms instead of normalising the wide
     streams: the same coefficients as the textbook chain (normalise, then three projections),
     to fp64 rounding, and within bf16 rounding of the fp64 chain in bf16."""
-    from adapters.model_config import preset
-    from adapters.weights import init_weights
+    from adapters.model.model_config import preset
+    from adapters.model.weights import init_weights
 
     cfg = preset("tiny")
     hc = init_weights(cfg, dtype=torch.float64).layers[0].hc_attn

@@ -18,9 +18,9 @@ import pytest
 import torch
 from interpreted import interpreted_modules, run_check
 
-from adapters.formats import CacheFormat, quantize
 from adapters.kernels.indexer_reference import dequantize_keys, index_logits_reference
 from adapters.kernels.rows import PoolRows
+from adapters.memory.formats import CacheFormat, quantize
 
 FP8 = torch.float8_e4m3fn
 U8 = torch.uint8  # FP4 keys: two e2m1 codes a byte

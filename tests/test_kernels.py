@@ -50,7 +50,7 @@ def _model_rows(kv, score, ape, ratio, overlap):
 
 @pytest.mark.parametrize("ratio,overlap", [(4, True), (4, False), (8, True), (16, False)])
 def test_compress_reference_matches_model_ops(ratio, overlap):
-    from adapters import ops
+    from adapters.model import ops
 
     torch.manual_seed(ratio)
     c, d = (2 if overlap else 1), 24
@@ -72,8 +72,8 @@ def test_compress_reference_matches_model_ops(ratio, overlap):
 
 def test_compress_reference_rows_follow_compressor_rows():
     """The bias convention (``ape[pos % ratio]``, token 0 opens group 0) is the model's."""
-    from adapters import ops
-    from adapters.weights import Compressor
+    from adapters.model import ops
+    from adapters.model.weights import Compressor
 
     torch.manual_seed(1)
     ratio, d, dm = 4, 16, 12
@@ -196,7 +196,7 @@ def test_topk_reference_by_hand():
 
 @pytest.mark.parametrize("kind", ["normal", "ties"])
 def test_topk_reference_matches_topk_lowest_index(kind):
-    from adapters import ops
+    from adapters.model import ops
 
     torch.manual_seed(4)
     x = torch.randn(3, 700) if kind == "normal" else torch.randint(0, 3, (3, 700)).float()

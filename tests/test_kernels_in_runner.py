@@ -13,11 +13,11 @@ from interpreted import interpreted_modules, run_check
 from small_models import SHORT
 
 import adapters.kernels as kernels
-from adapters.formats import CacheFormat
-from adapters.reference import reference_logits
-from adapters.runner import Runner
-from adapters.sampling import SamplingParams
-from adapters.weights import init_weights
+from adapters.engine.runner import Runner
+from adapters.engine.sampling import SamplingParams
+from adapters.memory.formats import CacheFormat
+from adapters.model.reference import reference_logits
+from adapters.model.weights import init_weights
 
 NAMES = ("indexer", "attention")
 BASE = [(13 * i + 5) % 250 for i in range(30)]

@@ -7,17 +7,17 @@ import pytest
 import torch
 from small_models import SHORT
 
-from adapters.memory_plan import (
+from adapters.engine.runner import Runner
+from adapters.engine.sampling import SamplingParams
+from adapters.forward.memory_plan import (
     MemoryBudgetError,
     StepMemory,
     free_device_memory,
     step_memory,
     visible_entries,
 )
-from adapters.model_config import FLASH_SHAPED
-from adapters.runner import Runner
-from adapters.sampling import SamplingParams
-from adapters.weights import init_weights
+from adapters.model.model_config import FLASH_SHAPED
+from adapters.model.weights import init_weights
 
 
 def test_step_memory_arithmetic() -> None:
@@ -93,7 +93,7 @@ def test_budget_must_be_positive() -> None:
 
 
 def test_prefill_budget_without_a_budget_limits_nothing() -> None:
-    from adapters.memory_plan import PrefillBudget, prefill_budget
+    from adapters.forward.memory_plan import PrefillBudget, prefill_budget
 
     b = prefill_budget(SHORT, torch.float32, torch.device("cpu"), None)
     assert b.budget is None and b.step_tokens(10**9, 77) == 77

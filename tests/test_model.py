@@ -1,5 +1,6 @@
-"""The paged forward (adapters/paged.py) driven directly through a `ShadowRadixCache` equals the
-dense no-cache reference forward (adapters/reference.py).
+"""The paged forward (adapters/forward/paged.py) driven directly through a `ShadowRadixCache`
+equals the
+dense no-cache reference forward (adapters/model/reference.py).
 
 In float64 on the CPU both forwards perform the same arithmetic in the same order, so the logits
 must be *bit-identical* (``torch.equal``): any wrong slot, stale ring row, mis-padded overlap or
@@ -7,7 +8,8 @@ wrong window shows up as a nonzero difference. In float32 the two differ only by
 we assert ``max |paged - reference| < FLOAT32_TOL = 1e-3`` (observed: ~3e-6 on logits of
 magnitude ~5).
 
-Also unit checks of the position-local maths in adapters/ops.py, and a sensitivity check proving
+Also unit checks of the position-local maths in adapters/model/ops.py, and a sensitivity check
+proving
 that corrupting a single pool slot is detected by the comparison.
 """
 
@@ -21,13 +23,13 @@ import pytest
 import torch
 from small_models import CFG, SHORT, SMALL
 
-from adapters import ops
-from adapters.graph_decode import GraphDecoder
-from adapters.model_config import preset
-from adapters.paged import build_step, run_step
-from adapters.pools import KVPools
-from adapters.reference import reference_logits
-from adapters.weights import init_weights
+from adapters.forward.graph_decode import GraphDecoder
+from adapters.forward.paged import build_step, run_step
+from adapters.memory.pools import KVPools
+from adapters.model import ops
+from adapters.model.model_config import preset
+from adapters.model.reference import reference_logits
+from adapters.model.weights import init_weights
 from shadowradix import CacheConfig, ShadowRadixCache, WindowSource
 
 

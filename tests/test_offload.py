@@ -1,4 +1,5 @@
-"""HiSparse in the runner (adapters/offload.py): offloaded output equals all-resident output."""
+"""HiSparse in the runner (adapters/memory/offload.py): offloaded output equals all-resident
+output."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import pytest
 import torch
 from small_models import SMALL as SMALL_MODEL
 
-from adapters.model_config import preset
-from adapters.offload import C4Offload
-from adapters.reference import reference_generate
-from adapters.runner import Runner
-from adapters.sampling import SamplingParams
-from adapters.weights import init_weights
+from adapters.engine.runner import Runner
+from adapters.engine.sampling import SamplingParams
+from adapters.memory.offload import C4Offload
+from adapters.model.model_config import preset
+from adapters.model.reference import reference_generate
+from adapters.model.weights import init_weights
 from shadowradix.events import EventLog
 
 SMALL = {**SMALL_MODEL, "index_topk": 4}  # these tests size their device buffers from top-4
@@ -153,7 +154,7 @@ def test_inflight_backups_fill_the_mirror_when_completed() -> None:
     """The copy bookkeeping of the CUDA path, driven by hand on the CPU: a staged backup fills
     the mirror only when completed (poll / drain), and a page pinned by an in-flight copy is
     released only after draining it (begin_step after the cache freed the page)."""
-    from adapters.offload import _Inflight
+    from adapters.memory.offload import _Inflight
 
     cc = MODEL.cache_config(page_size=16, full_capacity=16 * 8, swa_capacity=16 * 8)
     log = EventLog(cc.page_size, hashes=False, default_queue=False)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from small_models import SMALL as SMALL_MODEL
 
-from adapters.model_config import preset
-from adapters.runner import Runner
-from adapters.sampling import SamplingParams
-from adapters.weights import init_weights
+from adapters.engine.runner import Runner
+from adapters.engine.sampling import SamplingParams
+from adapters.model.model_config import preset
+from adapters.model.weights import init_weights
 from hisparse.lifetimes import ended_pages
 
 MODEL = preset("tiny", **{**SMALL_MODEL, "index_topk": 4}, window=16, compress_ratios=(0, 4, 16, 4))

@@ -17,9 +17,9 @@ import pytest
 import torch
 from small_models import CFG
 
-from adapters.run_command import summary
-from adapters.runner import FailureStage, Runner
-from adapters.sampling import SamplingParams
+from adapters.cli.run_command import summary
+from adapters.engine.runner import FailureStage, Runner
+from adapters.engine.sampling import SamplingParams
 
 PAGE = 16
 

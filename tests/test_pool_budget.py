@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters.formats import CacheFormat
-from adapters.model_config import preset
-from adapters.pool_budget import budget_cache_config, pool_costs
-from adapters.pool_resize import _tensors, apply_rebalance
-from adapters.pools import KVPools
+from adapters.memory.formats import CacheFormat
+from adapters.memory.pool_budget import budget_cache_config, pool_costs
+from adapters.memory.pool_resize import _tensors, apply_rebalance
+from adapters.memory.pools import KVPools
+from adapters.model.model_config import preset
 from shadowradix import Pool, ShadowRadixCache
 
 MODEL = preset("tiny")

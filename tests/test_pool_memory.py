@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters import device as device_mod
-from adapters.device import PoolMemoryError, check_pools_fit, free_bytes
-from adapters.formats import CacheFormat
-from adapters.model_config import preset
-from adapters.pools import KVPools, pool_bytes
-from adapters.runner import Runner
+from adapters.engine.runner import Runner
+from adapters.memory import device as device_mod
+from adapters.memory.device import PoolMemoryError, check_pools_fit, free_bytes
+from adapters.memory.formats import CacheFormat
+from adapters.memory.pools import KVPools, pool_bytes
+from adapters.model.model_config import preset
 
 
 @pytest.mark.parametrize("fmt", [CacheFormat.BF16, CacheFormat.FP8])
@@ -38,7 +38,7 @@ def test_runner_refuses_pools_beyond_free_memory_before_allocating(monkeypatch) 
     need = pool_bytes(model, cc, torch.float32)
     monkeypatch.setattr(device_mod, "free_bytes", lambda dev: need - 1)
     made = []
-    monkeypatch.setattr("adapters.runner.KVPools", lambda *a, **k: made.append(a))
+    monkeypatch.setattr("adapters.engine.runner.KVPools", lambda *a, **k: made.append(a))
     with pytest.raises(PoolMemoryError, match="lower the full / SWA pool sizes"):
         Runner(model, cc, device="cpu")
     assert not made  # nothing was allocated

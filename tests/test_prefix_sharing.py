@@ -12,8 +12,8 @@ import pytest
 import torch
 from small_models import CFG
 
-from adapters.runner import Runner
-from adapters.sampling import SamplingParams
+from adapters.engine.runner import Runner
+from adapters.engine.sampling import SamplingParams
 
 PREFIX, TAIL, PAGE = 1024, 4, 16
 

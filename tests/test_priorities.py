@@ -10,8 +10,8 @@ import pytest
 import torch
 from small_models import CFG
 
-from adapters.runner import Runner, SchedulePolicy
-from adapters.sampling import SamplingParams
+from adapters.engine.runner import Runner, SchedulePolicy
+from adapters.engine.sampling import SamplingParams
 from shadowradix import InvalidRequestError
 
 PAGE = 16

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from adapters.model_config import preset
-from adapters.weights_file import load_shipped
+from adapters.model.model_config import preset
+from adapters.model.weights_file import load_shipped
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from interpreted import interpreted_modules, run_check
 
-from adapters.formats import CacheFormat, RowLayout, write_rows
+from adapters.memory.formats import CacheFormat, RowLayout, write_rows
 
 KERNELS = ("quantize",)
 FP8 = CacheFormat.FP8
@@ -97,7 +97,7 @@ def test_quantize_kernel_under_interpreter(interp, name):
 
 def test_pools_keep_the_torch_chain_off_cuda():
     """`KVPools.store` takes the fused path only for CUDA pools: on the CPU, write_rows."""
-    from adapters import pools
+    from adapters.memory import pools
 
     x = torch.ones(2, 16)
     assert not pools._fused_fp8(FP8, torch.zeros(4, 16), torch.arange(2), x)

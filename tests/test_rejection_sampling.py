@@ -1,4 +1,4 @@
-"""Speculative (rejection) sampling keeps the target distribution (adapters/rejection.py).
+"""Speculative (rejection) sampling keeps the target distribution (adapters/engine/rejection.py).
 
 Function level: on an 8-symbol vocabulary with random target distributions ``p_j`` per position
 (independent of the prefix) and random draft distributions ``q_j`` the drafts are sampled from,
@@ -16,13 +16,13 @@ import pytest
 import torch
 from small_models import SMALL
 
-from adapters.model_config import preset
-from adapters.mtp import reference_mtp_draft
-from adapters.rejection import RejectionResult, rejection_sample
-from adapters.runner import Runner
-from adapters.sampling import SamplingParams
-from adapters.speculative import DraftBatch, MTPDraft, OracleDraft, SampledDraft
-from adapters.weights import init_weights
+from adapters.engine.rejection import RejectionResult, rejection_sample
+from adapters.engine.runner import Runner
+from adapters.engine.sampling import SamplingParams
+from adapters.engine.speculative import DraftBatch, MTPDraft, OracleDraft, SampledDraft
+from adapters.forward.mtp import reference_mtp_draft
+from adapters.model.model_config import preset
+from adapters.model.weights import init_weights
 
 V, K, N = 8, 2, 40_000
 #: χ² critical value for 7 degrees of freedom at α = 1e-4 (tables: 29.88); with 3 positions

@@ -1,5 +1,6 @@
-"""Encoder-side bounded replay executed on the pools (adapters/replay.py) against its explicit
-dense oracle (adapters/replay_reference.py).
+"""Encoder-side bounded replay executed on the pools (adapters/forward/replay.py) against its
+explicit
+dense oracle (adapters/model/replay_reference.py).
 
 Scenario of every test: a first request computes a prompt cold and is cached; every window is
 then tombstoned, so a second request sharing the prefix gets a REPLAY match: it rebuilds the
@@ -20,17 +21,17 @@ import pytest
 import torch
 from small_models import CFG, SHORT, SHORT_SHARED
 
-from adapters.graph_decode import GraphDecoder
-from adapters.paged import build_step, run_step
-from adapters.pools import KVPools
-from adapters.reference import reference_logits
-from adapters.replay import ReplayPlanError, check_replay, replay_step
-from adapters.replay_reference import (
+from adapters.forward.graph_decode import GraphDecoder
+from adapters.forward.paged import build_step, run_step
+from adapters.forward.replay import ReplayPlanError, check_replay, replay_step
+from adapters.memory.pools import KVPools
+from adapters.model.reference import reference_logits
+from adapters.model.replay_reference import (
     SegmentedReference,
     replay_reference_generate,
     replay_reference_logits,
 )
-from adapters.weights import init_weights
+from adapters.model.weights import init_weights
 from shadowradix import ShadowRadixCache, WindowSource
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")

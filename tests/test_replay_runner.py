@@ -1,6 +1,6 @@
 """The runner serving hits by encoder-side bounded replay (``CacheConfig(bounded_replay=True)``).
 
-Every replayed result must equal the explicit replay oracle (adapters/replay_reference.py):
+Every replayed result must equal the explicit replay oracle (adapters/model/replay_reference.py):
 greedy tokens, and the logits of the first generated position bit for bit (float64 on the CPU);
 it must be flagged ``approximate``, and every unflagged result must equal the cold dense
 reference (the flag hides nothing). Every runner here runs over a debug cache
@@ -27,13 +27,13 @@ from hypothesis.stateful import (
 )
 from small_models import CFG, SHORT, SHORT_SHARED, SMALL
 
-from adapters.cli import add_run_parser
-from adapters.reference import reference_generate, reference_logits
-from adapters.replay_reference import SegmentedReference, replay_reference_generate
-from adapters.run_command import build_runner, summary
-from adapters.runner import GenerationResult, Runner
-from adapters.sampling import SamplingParams
-from adapters.weights import init_weights
+from adapters.cli.main import add_run_parser
+from adapters.cli.run_command import build_runner, summary
+from adapters.engine.runner import GenerationResult, Runner
+from adapters.engine.sampling import SamplingParams
+from adapters.model.reference import reference_generate, reference_logits
+from adapters.model.replay_reference import SegmentedReference, replay_reference_generate
+from adapters.model.weights import init_weights
 from shadowradix import CacheConfig, ConfigError, WindowSource
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")

@@ -1,4 +1,4 @@
-"""End-to-end tests of adapters/runner.py: continuous batching over a `ShadowRadixCache` must
+"""End-to-end tests of adapters/engine/runner.py: continuous batching over a `ShadowRadixCache` must
 produce exactly the greedy tokens of the dense reference (float64 on the CPU: bit-identical
 logits), whatever the chunking, batching, prefix reuse, eviction and preemption.
 
@@ -19,11 +19,11 @@ import pytest
 import torch
 from small_models import CFG, SHORT
 
-from adapters.device import DeviceError, resolve_device
-from adapters.reference import reference_generate
-from adapters.runner import GenerationResult, Runner
-from adapters.sampling import SamplingParams
-from adapters.weights import init_weights
+from adapters.engine.runner import GenerationResult, Runner
+from adapters.engine.sampling import SamplingParams
+from adapters.memory.device import DeviceError, resolve_device
+from adapters.model.reference import reference_generate
+from adapters.model.weights import init_weights
 from shadowradix import InvalidRequestError
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
@@ -522,7 +522,7 @@ def plain_runner(chunk: int = 37) -> Runner:
 
 # Regression (found by review, fixed): a one-token prompt makes Runner._admit call
 # cache.match_prefix([]) -> InvalidRequestError out of step(); the request stays queued so every
-# later step fails too (adapters/runner.py _admit)
+# later step fails too (adapters/engine/runner.py _admit)
 def test_regression_single_token_prompt() -> None:
     runner = plain_runner()
     res = runner.generate([[5], [1, 2, 3]], SamplingParams(max_new_tokens=3))
@@ -574,7 +574,7 @@ def test_regression_generate_after_submit() -> None:
 
 # Regression (found by review, fixed): SamplingParams accepts any finite temperature > 0; a
 # subnormal one (5e-324) makes logits/T overflow and torch.multinomial raise RuntimeError mid-
-# step (adapters/sampling.py), leaving the request active
+# step (adapters/engine/sampling.py), leaving the request active
 def test_regression_subnormal_temperature() -> None:
     runner = plain_runner()
     try:

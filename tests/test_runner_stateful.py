@@ -1,4 +1,4 @@
-"""Model-based test of adapters/runner.py: random arrivals into a `Runner` with tiny pools.
+"""Model-based test of adapters/engine/runner.py: random arrivals into a `Runner` with tiny pools.
 
 The machine draws a runner configuration (page size, chunk size, batch bound, pool sizes barely
 above one request's need, paged or graph decode), then interleaves submissions (shared prefixes
@@ -32,11 +32,11 @@ from hypothesis.stateful import (
 )
 from small_models import SMALL
 
-from adapters.model_config import preset
-from adapters.reference import reference_generate
-from adapters.runner import GenerationResult, Runner
-from adapters.sampling import SamplingParams
-from adapters.weights import init_weights
+from adapters.engine.runner import GenerationResult, Runner
+from adapters.engine.sampling import SamplingParams
+from adapters.model.model_config import preset
+from adapters.model.reference import reference_generate
+from adapters.model.weights import init_weights
 from shadowradix import InvalidRequestError
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")

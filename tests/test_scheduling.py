@@ -11,10 +11,10 @@ import torch
 from core_helpers import cached
 from small_models import CFG
 
-from adapters.runner import Runner, SchedulePolicy
-from adapters.sampling import Sampler, SamplingParams
-from adapters.sequence import GenerationResult, _Seq
-from adapters.waiting import WaitingQueue
+from adapters.engine.runner import Runner, SchedulePolicy
+from adapters.engine.sampling import Sampler, SamplingParams
+from adapters.engine.sequence import GenerationResult, _Seq
+from adapters.engine.waiting import WaitingQueue
 from shadowradix import ShadowRadixCache
 
 PAGE = 16
@@ -174,8 +174,8 @@ def test_four_requests_sharing_a_long_prefix_reach_the_target_hit_ratio(schedule
 
 
 def test_the_cli_schedule_option(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
-    import adapters.run_command as run_command
-    from adapters.cli import main
+    import adapters.cli.run_command as run_command
+    from adapters.cli.main import main
 
     policies = []
     summary = run_command.summary

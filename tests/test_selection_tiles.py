@@ -1,4 +1,5 @@
-"""The query tiles of `adapters.selection`: bounded logits, power-of-two tiles, and few distinct
+"""The query tiles of `adapters.forward.selection`: bounded logits, power-of-two tiles, and few
+distinct
 kernel specialisations over a long prompt (each new one is seconds of Triton compiling: before
 tiles were powers of two, a 1M-token prefill in 8K chunks met 13 top-k shapes, about half of
 its 68 s on the H200)."""
@@ -11,7 +12,7 @@ import inspect
 import pytest
 import torch
 
-from adapters.selection import logits_tile_rows, query_tiles
+from adapters.forward.selection import logits_tile_rows, query_tiles
 
 
 @pytest.mark.parametrize(

@@ -17,13 +17,13 @@ import pytest
 import torch
 from test_model import SMALL, TOKENS, Paged, assert_exact, schedule_ending_at
 
-from adapters.graph_decode import GraphDecoder
-from adapters.model_config import PRESETS, ModelConfig, preset
-from adapters.pools import KVPools, bytes_per_token
-from adapters.reference import reference_generate, reference_logits
-from adapters.runner import Runner
-from adapters.sampling import SamplingParams
-from adapters.weights import init_weights
+from adapters.engine.runner import Runner
+from adapters.engine.sampling import SamplingParams
+from adapters.forward.graph_decode import GraphDecoder
+from adapters.memory.pools import KVPools, bytes_per_token
+from adapters.model.model_config import PRESETS, ModelConfig, preset
+from adapters.model.reference import reference_generate, reference_logits
+from adapters.model.weights import init_weights
 from shadowradix import WindowSource
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")

@@ -11,10 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from small_models import SHORT
 
-from adapters.graph_meta import StepMeta, step_metadata
-from adapters.graph_verify import VerifyBuffers
-from adapters.pools import KVPools
-from adapters.weights import init_weights
+from adapters.forward.graph_meta import StepMeta, step_metadata
+from adapters.forward.graph_verify import VerifyBuffers
+from adapters.memory.pools import KVPools
+from adapters.model.weights import init_weights
 from shadowradix import ShadowRadixCache, slots
 
 POW2 = st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128, 256])

@@ -1,4 +1,4 @@
-"""Speculative decoding end to end (adapters/speculative.py, mtp.py, graph_verify.py).
+"""Speculative decoding end to end (adapters/engine/speculative.py, mtp.py, graph_verify.py).
 
 Greedy output with speculation must equal output without it and the dense reference, whatever
 the draft proposes (acceptance 0 % .. 100 %, the MTP layer), through prefix sharing, preemption,
@@ -24,17 +24,10 @@ import pytest
 import torch
 from small_models import SMALL
 
-from adapters import kernels, ops
-from adapters.graph_verify import GraphVerifier, VerifyKeys
-from adapters.model import final_hidden
-from adapters.model_config import preset
-from adapters.mtp import MTPDrafter, reference_mtp_draft, reference_mtp_logits, resume_hidden
-from adapters.paged import build_step, run_step
-from adapters.pools import KVPools
-from adapters.reference import DenseKeys, reference_generate
-from adapters.runner import Runner
-from adapters.sampling import SamplingParams
-from adapters.speculative import (
+from adapters import kernels
+from adapters.engine.runner import Runner
+from adapters.engine.sampling import SamplingParams
+from adapters.engine.speculative import (
     DraftBatch,
     DraftError,
     MTPDraft,
@@ -42,7 +35,20 @@ from adapters.speculative import (
     accept_greedy,
     cut_emission,
 )
-from adapters.weights import init_weights
+from adapters.forward.graph_verify import GraphVerifier, VerifyKeys
+from adapters.forward.mtp import (
+    MTPDrafter,
+    reference_mtp_draft,
+    reference_mtp_logits,
+    resume_hidden,
+)
+from adapters.forward.paged import build_step, run_step
+from adapters.memory.pools import KVPools
+from adapters.model import ops
+from adapters.model.model import final_hidden
+from adapters.model.model_config import preset
+from adapters.model.reference import DenseKeys, reference_generate
+from adapters.model.weights import init_weights
 from shadowradix import InvalidRequestError, ShadowRadixCache
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
@@ -558,8 +564,8 @@ def test_speculation_with_v41_sharing_and_tail_only(graph: bool) -> None:
     tail-only oracle. Request B resumes at position 296 of A's 300-token chunk, whose later
     layers computed only positions 172..299: B's verify windows reach 170 and 171, which they
     must mask (the late-SWA mask). MTP drafts with tail-only are refused."""
-    from adapters.model_config import preset as _preset
-    from adapters.reference import reference_tail_only_generate, tail_only_computed
+    from adapters.model.model_config import preset as _preset
+    from adapters.model.reference import reference_tail_only_generate, tail_only_computed
 
     shared = _preset("tiny-shared", hidden=32, head_dim=16, rope_dim=4, index_dim=8, index_topk=4)
     cc = shared.cache_config(page_size=8, full_capacity=8 * 128, swa_capacity=8 * 96,

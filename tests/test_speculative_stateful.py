@@ -46,12 +46,12 @@ from hypothesis.stateful import (
 )
 from small_models import SMALL
 
-from adapters.model_config import preset
-from adapters.reference import reference_generate
-from adapters.runner import GenerationResult, Runner
-from adapters.sampling import SamplingParams
-from adapters.speculative import DraftBatch, MTPDraft, OracleDraft
-from adapters.weights import init_weights
+from adapters.engine.runner import GenerationResult, Runner
+from adapters.engine.sampling import SamplingParams
+from adapters.engine.speculative import DraftBatch, MTPDraft, OracleDraft
+from adapters.model.model_config import preset
+from adapters.model.reference import reference_generate
+from adapters.model.weights import init_weights
 from shadowradix.slots import compressed_slot
 from shadowradix.testing import canonical_snapshot
 

@@ -20,11 +20,13 @@ import torch
 from test_model import TOKENS, Paged, assert_exact
 from test_sharing import SHARED, SHORT_SHARED
 
-from adapters.model import forward_tail_only
-from adapters.model_config import preset
-from adapters.paged import build_step, run_step, run_tail_only_step
-from adapters.pools import KVPools
-from adapters.reference import (
+from adapters.engine.runner import Runner, UnsupportedRequestError
+from adapters.engine.sampling import SamplingParams
+from adapters.forward.paged import build_step, run_step, run_tail_only_step
+from adapters.memory.pools import KVPools
+from adapters.model.model import forward_tail_only
+from adapters.model.model_config import preset
+from adapters.model.reference import (
     DenseKeys,
     reference_generate,
     reference_logits,
@@ -32,9 +34,7 @@ from adapters.reference import (
     reference_tail_only_logits,
     tail_only_computed,
 )
-from adapters.runner import Runner, UnsupportedRequestError
-from adapters.sampling import SamplingParams
-from adapters.weights import init_weights
+from adapters.model.weights import init_weights
 from shadowradix import InvalidRequestError, WindowSource
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
@@ -350,7 +350,7 @@ def test_tail_only_bench_runs(tmp_path) -> None:
 def test_cli_tail_only(capsys: pytest.CaptureFixture[str]) -> None:
     """``shadowradix run --tail-only`` on a shared preset reports what it skipped; on a model
     without sharing it exits 2 with the reason."""
-    from adapters.cli import main
+    from adapters.cli.main import main
 
     prompt = "x" * 300  # one 256-token chunk, then 45 tokens (+ BOS)
     argv = ["run", prompt, "--model", "tiny-shared", "--device", "cpu", "--max-new-tokens", "2"]

@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from adapters.corpus import FIXTURE_DIR, load_split
-from adapters.model import final_hidden
-from adapters.mtp import reference_mtp_logits
-from adapters.reference import DenseKeys
+from adapters.forward.mtp import reference_mtp_logits
+from adapters.model.model import final_hidden
+from adapters.model.reference import DenseKeys
+from adapters.model.weights import init_weights
+from adapters.model.weights_file import from_state_dict, load_weights, save_weights, state_dict
+from adapters.training.corpus import FIXTURE_DIR, load_split
 from adapters.training.data import TokenData
 from adapters.training.forward import losses, torch_references, train_forward
 from adapters.training.keys import TrainKeys, window_mask
 from adapters.training.loop import TrainConfig, init_params, train
-from adapters.weights import init_weights
-from adapters.weights_file import from_state_dict, load_weights, save_weights, state_dict
 from tests.small_models import SHORT, SHORT_SHARED
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from adapters import weights_file
-from adapters.cli import main
-from adapters.model_config import preset
-from adapters.weights import init_weights
-from adapters.weights_file import (
+from adapters.cli.main import main
+from adapters.model import weights_file
+from adapters.model.model_config import preset
+from adapters.model.weights import init_weights
+from adapters.model.weights_file import (
     WeightsError,
     from_state_dict,
     load_shipped,

@@ -56,7 +56,8 @@ TRITON_AVAILABLE: bool = importlib.util.find_spec("triton") is not None
 #: False to time the tiled torch references (gathered keys) in the same process.
 SPARSE_KERNELS = True
 
-#: Route the mHC merge and Sinkhorn (`adapters.ops.hc_merge`, `adapters.ops.sinkhorn`) on CUDA
+#: Route the mHC merge and Sinkhorn (`adapters.model.ops.hc_merge`, `adapters.model.ops.sinkhorn`)
+#: on CUDA
 #: to `kernels.hc`; ``ADAPTERS_HC_KERNELS=0`` (or False at run time) keeps the torch references.
 HC_KERNELS = os.environ.get("ADAPTERS_HC_KERNELS", "1") != "0"
 

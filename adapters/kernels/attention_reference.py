@@ -3,7 +3,7 @@
 One query attends over two key sets read from their pools in place, plus a learned sink:
 
 * the window: ``window_kv[window_slots[n, j]]`` where ``window_mask[n, j]`` (any mask); an FP8
-  window pool (``float8_e4m3fn``, `adapters.formats`) comes with ``window_scale`` ``(S1,)``,
+  window pool (``float8_e4m3fn``, `adapters.memory.formats`) comes with ``window_scale`` ``(S1,)``,
   one fp32 scale per pool row: its rows are ``fp8 * scale`` in the compute dtype;
 * the extra rows (C4's selected entries, or every visible C128 entry): a `PoolRows` over
   ``extra_kv``, rows ``[0, lengths[n])``.
@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sink import acc_dtype, sink_attention
+from adapters.model.sink import acc_dtype, sink_attention
+
 from .rows import PoolRows
 
 FP8_WINDOW_DTYPES = (torch.float8_e4m3fn,)

@@ -52,7 +52,7 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 @functools.lru_cache(maxsize=32)
 def _freqs(theta: float, half: int, device: str) -> torch.Tensor:
-    # bit-identical to `adapters.ops.rope`'s frequencies on the same device
+    # bit-identical to `adapters.model.ops.rope`'s frequencies on the same device
     return theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
 
 

@@ -1,6 +1,7 @@
 """mHC (manifold hyper-connection) kernels: the residual-stream merge and the Sinkhorn mixing.
 
-Maths: `adapters.ops.hc_merge_reference` and `adapters.ops.sinkhorn_reference`, which define the
+Maths: `adapters.model.ops.hc_merge_reference` and `adapters.model.ops.sinkhorn_reference`, which
+define the
 results (fp64 and CPU tensors always run them).
 
 * `flash_hc_merge`: ``out[n, s] = sum_t res[n, s, t] * streams[n, t] + post[n, s] * y[n]``. One

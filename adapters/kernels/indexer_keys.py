@@ -1,6 +1,6 @@
 """The key side of the fused indexer's tiles (`indexer`): pool slots through the table
 (`_slots`) and key tiles with their scales (`_keys`): 16-bit, fp32 and FP8 rows as loaded,
-FP4 rows (V4.1, `adapters.formats`) unpacked from their e2m1 nibbles and multiplied by their
+FP4 rows (V4.1, `adapters.memory.formats`) unpacked from their e2m1 nibbles and multiplied by their
 block scales (`_fp4_tile`). Triton device functions only.
 """
 

@@ -9,7 +9,7 @@ fp64 inputs compute in fp64, everything else in fp32 (16-bit and quantised keys 
 the Triton kernel accumulates in fp32 too). FP8 keys (``torch.float8_e4m3fn``) come with one
 fp32 scale per pool row, ``key = fp8 * scale``; FP4 keys (V4.1: e2m1 codes packed two per
 byte, ``(S, d / 2)`` uint8) with one fp32 scale per 32 channels, ``(S, d / 32)``
-(`adapters.formats`). The reference gathers the keys of a tile of queries at a time
+(`adapters.memory.formats`). The reference gathers the keys of a tile of queries at a time
 (``tile_bytes`` of gathered keys), so its memory is bounded by the tile, never ``N x G x d``;
 the per-query arithmetic is the model's `ops.index_scores` (bit for bit in fp64).
 """
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import CacheFormat, QuantizedRows, dequantize
+from adapters.memory.formats import CacheFormat, QuantizedRows, dequantize
+
 from .rows import PoolRows
 
 FP8_DTYPES = (torch.float8_e4m3fn,)

@@ -4,7 +4,7 @@ Written independently of the Triton code, and in the most literal form: they def
 kernels must compute, they are the CPU fallback of `adapters.kernels.compress` / `topk`, and
 `naive_torch_chain` is the unfused baseline the benchmark compares against.
 
-Compressor conventions (the model's, see ``adapters.ops.pool_groups``):
+Compressor conventions (the model's, see ``adapters.model.ops.pool_groups``):
 
 * ``kv`` and ``score`` are per-token rows ``(T, c*d)``; ``c = 2`` with the C4 overlap, else 1.
 * ``ape`` ``(ratio, c*d)`` is the position bias: token ``t`` adds ``ape[t % ratio]`` (token 0 starts
@@ -17,7 +17,7 @@ Compressor conventions (the model's, see ``adapters.ops.pool_groups``):
 * Softmax over the token axis, separately for each channel, then the weighted sum of ``kv``.
 * Optional epilogue (``norm`` given): RMSNorm with weight ``norm`` then RoPE on the last
   ``rope_dim`` channels at position ``(group_offset + g) * ratio``, as
-  ``adapters.ops.finish_entries``.
+  ``adapters.model.ops.finish_entries``.
 
 TopK conventions: see `topk_reference`.
 """
@@ -129,7 +129,7 @@ def compress_gathered_reference(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Entries ``(B, d)`` of one group per request, its rows gathered from a ring (the decode
-    path, as `adapters.graph_decode.GraphKeys._compress` lays it out).
+    path, as `adapters.forward.graph_decode.GraphKeys._compress` lays it out).
 
     ``ring`` ``(N, 2*c*d)`` holds rows ``[kv | score]`` (score normally already includes ``ape``:
     leave ``ape`` None); ``rows`` ``(B, R)`` are ring row indices, ``R = 2*ratio`` with overlap

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tokenizer import BOS
+from adapters.model.tokenizer import BOS
 
 #: mixes the step into the batch generator's seed
 _STEP_MIX = 1_000_003

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..weights import ModelWeights
+from adapters.model.weights import ModelWeights
+
 from .forward import LN2, next_token_nll, torch_references, train_forward
 
 

@@ -1,7 +1,7 @@
 """The training forward: the runner's own layer skeleton and MTP block over `TrainKeys`.
 
-Nothing here re-implements the model: `adapters.model.final_hidden` / `head_logits` and
-`adapters.mtp.mtp_hidden` / `mtp_logits` run as the runner runs them; only the `KeySource`
+Nothing here re-implements the model: `adapters.model.model.final_hidden` / `head_logits` and
+`adapters.forward.mtp.mtp_hidden` / `mtp_logits` run as the runner runs them; only the `KeySource`
 differs (`TrainKeys`: the reference's attention, batched and differentiable). The mHC Triton
 kernels have no backward, so the forward runs with `kernels.HC_KERNELS` off (their torch
 references: the same maths).
@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from adapters.forward.mtp import mtp_hidden, mtp_logits
+from adapters.model.model import final_hidden, head_logits
+from adapters.model.weights import ModelWeights
+
 from .. import kernels
-from ..model import final_hidden, head_logits
-from ..mtp import mtp_hidden, mtp_logits
-from ..weights import ModelWeights
 from .keys import TrainKeys
 
 LN2 = math.log(2.0)
@@ -51,7 +52,7 @@ def train_forward(
 ) -> TrainOutput:
     """Logits of every position of ``tokens (B, T)``, each sequence from position 0. The MTP
     row ``t`` reads the main hidden state at ``t - 1`` (zeros at 0) and token ``t``, exactly as
-    `adapters.mtp.reference_mtp_logits`. ``aux`` / ``measure``: as `TrainKeys`."""
+    `adapters.forward.mtp.reference_mtp_logits`. ``aux`` / ``measure``: as `TrainKeys`."""
     cfg = weights.config
     b, t = tokens.shape
     ids = tokens.reshape(-1)

@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import ops
-from ..model import LayerInput, compress_rows
-from ..model_config import ModelConfig
-from ..weights import Compressor
+from adapters.model import ops
+from adapters.model.model import LayerInput, compress_rows
+from adapters.model.model_config import ModelConfig
+from adapters.model.weights import Compressor
 
 
 def window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:

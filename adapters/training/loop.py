@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
-from ..corpus import Split
-from ..model_config import ModelConfig, preset
-from ..weights import ModelWeights, init_weights
-from ..weights_file import from_state_dict, state_dict
+from adapters.model.model_config import ModelConfig, preset
+from adapters.model.weights import ModelWeights, init_weights
+from adapters.model.weights_file import from_state_dict, state_dict
+from adapters.training.corpus import Split
+
 from .data import TokenData
 from .evaluate import Evaluation, evaluate
 from .forward import losses, train_forward

@@ -15,7 +15,7 @@ with open(sys.argv[1], "w") as f:
     for i in range(4):
         f.write(shared + f" Question {i}: what does the code above do, part {i}?\n")
 PY
-timeout 170 python -m adapters.cli run --model flash-shaped --device cuda --file "$OUT/prompts.txt" \
+timeout 170 python -m adapters.cli.main run --model flash-shaped --device cuda --file "$OUT/prompts.txt" \
   --max-new-tokens 32 --chunk-tokens 8192 --full-tokens 1048576 --swa-tokens 65536 \
   > "$OUT/shared_prefix_128k_h200.log" 2> "$OUT/shared_prefix_128k_h200.err"
 echo "rc=$?" >> "$OUT/shared_prefix_128k_h200.log"

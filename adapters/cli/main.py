@@ -1,0 +1,178 @@
+"""``shadowradix`` console script: ``demo`` (cache only) and ``run`` (the embedded model)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import sys
+
+from adapters.cli.cli_args import OneLineParser, add_demo_parser, non_negative, positive, run_demo
+from shadowradix.errors import ShadowRadixError
+
+DEFAULT_SYSTEM = (
+    "You are a careful assistant for an inference engine team. Answer briefly, cite the "
+    "component you rely on, and prefer measured numbers to guesses. The engine serves a hybrid "
+    "sparse-attention model: sliding-window attention over the last 128 tokens, 4:1 compressed "
+    "attention with a top-k indexer, and 128:1 dense compressed attention. "
+)
+DEFAULT_QUESTIONS = (
+    "Why does prefix caching need a window checkpoint?",
+    "What is a ring shadow?",
+    "How are two-counter locks released?",
+    "When is a node tombstoned?",
+    "What does bounded replay trade away?",
+    "Why must rings double under speculative decoding?",
+    "How large is the C4 in-flight state?",
+    "What does HiSparse keep on the GPU?",
+)
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+    return value
+
+
+def add_run_parser(sub) -> None:
+    run = sub.add_parser("run", help="decode prompts end to end with the embedded model")
+    run.add_argument("prompts", nargs="*", help="prompt texts (default: a built-in chat set)")
+    run.add_argument("--file", help="read prompts from a file, one per non-empty line")
+    run.add_argument(
+        "--model",
+        help="model preset: tiny | tiny-trained | flash-shaped | tiny-shared | flash-shared "
+        "(default tiny-trained where its trained weights are shipped, else tiny)",
+    )
+    run.add_argument("--weights", metavar="PATH",
+                     help="trained weights (safetensors, `python -m adapters.train`); the "
+                     "tiny-trained preset loads its shipped file by default")  # fmt: skip
+    run.add_argument("--layers", type=positive,
+                     help="keep only the first N layers of the preset")  # fmt: skip
+    run.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
+    run.add_argument("--max-new-tokens", type=positive, default=48,
+                     help="tokens to generate per prompt (default 48)")  # fmt: skip
+    run.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                     help="sampling temperature; 0 is greedy (default)")  # fmt: skip
+    run.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    run.add_argument("--page-size", type=positive, default=64,
+                     help="tokens per cache page, a power of two (default 64)")  # fmt: skip
+    run.add_argument("--full-tokens", type=positive, default=64 * 1024,
+                     help="full (compressed) pool capacity in tokens (default 65536)")  # fmt: skip
+    run.add_argument("--swa-tokens", type=positive, default=8 * 1024,
+                     help="sliding-window pool capacity in tokens (default 8192)")  # fmt: skip
+    run.add_argument("--chunk-tokens", type=positive, default=256,
+                     help="most prompt tokens a prefill step computes (default 256)")  # fmt: skip
+    run.add_argument("--max-running", type=positive, default=32,
+                     help="most requests decoding together (default 32)")  # fmt: skip
+    run.add_argument(
+        "--index-format",
+        choices=("bf16", "fp8", "fp4"),
+        default="bf16",
+        help="cache format of the C4 indexer keys (fp8: e4m3 with a scale per row; fp4: V4.1 "
+        "e2m1 with a scale per 32 channels, torch path only)",
+    )
+    run.add_argument(
+        "--swa-format",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="cache format of the sliding-window KV (fp8: e4m3 with a scale per row)",
+    )
+    run.add_argument(
+        "--memory-budget-gib",
+        type=float,
+        help="transient device memory per forward step beyond pools and weights (default: "
+        "85%% of what is free on CUDA; prefill steps are sized to it)",
+    )
+    run.add_argument(
+        "--hisparse-pages",
+        type=positive,
+        help="keep C4 KV in host memory with this many device pages per C4 layer",
+    )
+    run.add_argument(
+        "--tail-only",
+        action="store_true",
+        help="decoder-side tail-only prefill (a *-shared model; approximate, docs/sharing.md)",
+    )
+    run.add_argument(
+        "--bounded-replay",
+        action="store_true",
+        help="serve hits whose window was evicted by recomputing it (approximate, flagged)",
+    )
+    run.add_argument(
+        "--speculative",
+        type=positive,
+        metavar="K",
+        help="speculative decoding: the MTP layer drafts K tokens per step (rejection sampling "
+        "at --temperature > 0)",
+    )
+    run.add_argument(
+        "--schedule",
+        choices=("lpm", "fcfs"),
+        default="lpm",
+        help="admission order of waiting prompts: lpm, the longest cached prefix first "
+        "(default), or fcfs, arrival order",
+    )
+    run.add_argument(
+        "--arrival-steps",
+        type=non_negative,
+        default=2,
+        help="submit one prompt every N steps (0: all at once)",
+    )
+    run.add_argument("--quiet", action="store_true", help="no progress bar, no completions")
+
+
+def _prompts(args) -> list[str]:
+    """The prompts to run: the arguments, then the file's non-empty lines; the built-in set
+    only when neither was given. Raises `ValueError` for a file without a prompt."""
+    texts = list(args.prompts)
+    if args.file:
+        with open(args.file, encoding="utf-8") as fh:
+            lines = [line.rstrip("\n") for line in fh if line.strip()]
+        if not lines:
+            raise ValueError(f"{args.file}: no prompts (every line is empty)")
+        texts += lines
+    return texts or [DEFAULT_SYSTEM + "Q: " + q + " A:" for q in DEFAULT_QUESTIONS]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 done, 1 some prompt refused or failed, 2 bad arguments or a one-line error (no
+    traceback), 130 interrupted (Ctrl-C)."""
+    parser = OneLineParser(prog="shadowradix", description="ShadowRadix KV-cache manager")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_demo_parser(sub)
+    add_run_parser(sub)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad argument (already reported)
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        if args.command == "demo":
+            return run_demo(args)
+        from adapters.cli.run_command import run_command  # torch is imported only for ``run``
+
+        return run_command(args, _prompts(args))
+    except KeyboardInterrupt:
+        print(f"shadowradix {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print(f"shadowradix {args.command}: error: out of host memory (lower --full-tokens / "
+              "--swa-tokens)", file=sys.stderr)  # fmt: skip
+        return 2
+    except (ValueError, OSError, ShadowRadixError) as exc:
+        print(f"shadowradix {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("shadowradix")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a source tree
+        return "unknown"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,285 @@
+"""Batched decode with per-step metadata computed on the device from raw batch state.
+
+The only per-step inputs are raw state in fixed device buffers: each slot's new token, its
+length, and two page tables (virtual pages, and SWA pages indexed by absolute page). Every slot
+number the step needs (the new SWA slot, the window, ring rows, the carried rows of a completing
+group, its compressed slot, every complete entry) is the core's slot arithmetic
+(`shadowradix.slots`) over torch, in `graph_meta.step_metadata`: a decode step is the one-token
+case of a verify step. So the whole step can be captured once in a CUDA graph and replayed.
+Writes of padding slots and of groups that do not complete go to each pool's sentinel row.
+
+The device tables follow the core's page-table deltas (`block_tables.DeviceTables`): a step
+passes the deltas of its extend (and of every other call that changed its requests' tables
+since the last step); a request new to its row is written whole, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from adapters import kernels
+from adapters.forward.buckets import context_bucket, power_bucket
+from adapters.forward.graph_meta import StepMeta, StreamMeta, step_metadata
+from adapters.kernels import PoolRows
+from adapters.memory.block_tables import DeviceTables
+from adapters.memory.device import upload
+from adapters.memory.pools import KVPools
+from adapters.model import ops
+from adapters.model.model import LayerInput, compress_rows, forward
+from adapters.model.weights import ModelWeights
+from shadowradix import CacheConfig, PageTableDelta
+from shadowradix.request import Request
+
+#: a decode step's input tokens: on the host, or on the device (overlap scheduling)
+Tokens = list[int] | torch.Tensor
+
+
+class DecodeBuffers:
+    """Fixed device buffers of raw batch state for ``max_batch`` slots (`graph_meta.StepState`
+    with one token per request)."""
+
+    num_tokens = 1
+
+    def __init__(self, cache: CacheConfig, max_batch: int, max_context: int, device) -> None:
+        pages = -(-max_context // cache.page_size) + 1
+        self.tokens = torch.zeros(max_batch, device=device, dtype=torch.long)
+        # length after the new token (position + 1)
+        self.lengths = torch.ones(max_batch, device=device, dtype=torch.long)
+        self.valid = torch.zeros(max_batch, device=device, dtype=torch.bool)
+        self.tables = DeviceTables(max_batch, pages, device)
+        self.vtable, self.stable = self.tables.vtable, self.tables.stable
+        self.max_batch, self.max_context, self.page_size = max_batch, max_context, cache.page_size
+
+    def load(
+        self, requests: list[Request], tokens: Tokens, deltas: Iterable[PageTableDelta]
+    ) -> None:
+        """Copies the batch's raw state in: tokens, lengths, and the page tables updated by
+        ``deltas`` (every delta of these requests since the last load, in order; see
+        `DeviceTables`). Raises ValueError past the buffers, `TableSyncError` on a missed
+        delta."""
+        b = len(requests)
+        if b > self.max_batch:
+            raise ValueError(f"batch {b} exceeds the decode buffers ({self.max_batch})")
+        for r in requests:
+            if r.length > self.max_context:
+                raise ValueError(f"request length {r.length} exceeds max_context")
+        self.tables.apply(deltas)
+        self.tables.place(requests)
+        head = np.array(
+            [
+                (tokens if isinstance(tokens, list) else [0] * b) + [0] * (self.max_batch - b),
+                [r.length for r in requests] + [1] * (self.max_batch - b),
+                [1] * b + [0] * (self.max_batch - b),
+            ],
+            dtype=np.int64,
+        )
+        head_t = upload(head, self.tokens.device)
+        self.tokens.copy_(head_t[0])
+        if isinstance(tokens, torch.Tensor):  # overlap: the previous step's, on the device
+            self.tokens[:b].copy_(tokens)
+        self.lengths.copy_(head_t[1])
+        self.valid.copy_(head_t[2].bool())
+
+
+class GraphKeys:
+    """`KeySource` of one decode step over `graph_meta.StepMeta`. V4.1 sharing as in `PagedKeys`:
+    KV-source layers compress, consumers read their source's pools; index sources publish
+    their selection, other C4 layers reuse it."""
+
+    def __init__(self, weights: ModelWeights, pools: KVPools, meta: StepMeta) -> None:
+        self.cfg, self.pools, self.meta = weights.config, pools, meta
+        self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def attend(self, layer: LayerInput) -> torch.Tensor:
+        cfg, m, i = self.cfg, self.meta, layer.index
+        swa = self.pools.swa[i]
+        self.pools.store(swa, m.swa_new, layer.kv)
+        mask, pool, extra = m.window_mask, None, None
+        last = cfg.last_kv_source
+        if m.late_window_mask is not None and last is not None and i > last:
+            mask = m.late_window_mask
+        ratio = layer.weights.ratio
+        if ratio:
+            sm, source = m.streams[ratio], cfg.kv_source_of(i)
+            if source == i:
+                comp = layer.weights.compressor
+                assert comp is not None
+                self._compress(layer, comp, sm, self.pools.ring[i], self.pools.compressed[i])
+            if cfg.is_sparse(ratio):
+                slots, vis = self._select(layer, sm)
+                extra = PoolRows(slots, vis.sum(-1))
+            else:
+                extra = sm.rows(self._qrow())
+            pool = self.pools.compressed[source]
+        return kernels.sparse_attention(
+            layer.q,
+            swa,
+            m.window_slots,
+            mask,
+            layer.weights.sink,
+            cfg.scale,
+            pool,
+            extra,
+            window_scale=self.pools.scale_of(swa),
+        )
+
+    def _compress(self, layer, comp, sm: StreamMeta, ring, pool) -> None:
+        rows = ops.compressor_rows(layer.x, comp, layer.positions).to(ring.dtype)  # (B, F)
+        if ring.is_cuda and ring.dtype == torch.float32 and kernels.TRITON_AVAILABLE:
+            self._compress_fused(layer, comp, sm, ring, pool, rows)  # pragma: no cover
+            return
+        carried = ring[sm.group_rows]  # (B, R, F), read before this step's store
+        ring[sm.ring_new] = rows
+        pad = torch.zeros_like(rows[0])
+        pad[rows.shape[1] // 2 :] = float("-inf")
+        src = sm.group_src[:, :, None]
+        new = self._new_group_rows(rows, sm)
+        group_rows = torch.where(src == 0, carried, torch.where(src == 1, new, pad))
+        ent = compress_rows(
+            self.cfg, group_rows, layer.weights.ratio, sm.group, comp.norm, self.cfg.rope_dim
+        )
+        self.pools.store(pool, sm.entry_slot, ent)
+
+    def _compress_fused(  # pragma: no cover - needs a GPU
+        self, layer, comp, sm: StreamMeta, ring, pool, rows: torch.Tensor
+    ) -> None:
+        """The Flash Compressor's decode path: one kernel gathers the group's ring rows, pools
+        them and applies RMSNorm + RoPE. Storing the step's rows first cannot overwrite a row a
+        group still needs (decode: ring_len > span; verify: see `graph_verify`)."""
+        ring[sm.ring_new] = rows
+        row_ids = torch.where(sm.group_src == 1, self._own_ring_rows(sm), sm.group_rows)
+        ent = kernels.compress_gathered(
+            ring, row_ids, layer.weights.ratio, self.cfg.is_overlap(layer.weights.ratio),
+            pad=sm.group_src == 2, groups=sm.group, norm=comp.norm, rope_dim=self.cfg.rope_dim,
+            theta=self.cfg.rope_theta, eps=self.cfg.norm_eps, out_dtype=self.pools.dtype,
+        )  # fmt: skip
+        self.pools.store(pool, sm.entry_slot, ent)
+
+    def _select(self, layer: LayerInput, sm: StreamMeta):
+        cfg, i = self.cfg, layer.index
+        if not cfg.runs_indexer(i):
+            return self.selection[cfg.index_source_of(i)]
+        idx, source = layer.weights.indexer, cfg.kv_source_of(i)
+        assert idx is not None
+        if source == i:
+            assert idx.compressor is not None
+            self._compress(
+                layer, idx.compressor, sm, self.pools.index_ring[i], self.pools.index_keys[i]
+            )
+        n = layer.x.shape[0]
+        q = (layer.x @ idx.w_q).view(n, cfg.index_heads, cfg.index_dim)
+        q = ops.rope(q, layer.positions, cfg.rope_dim, cfg.rope_theta)
+        rows = sm.rows(self._qrow())
+        keys = self.pools.index_keys[source]
+        w = layer.x @ idx.w_weight
+        logits = kernels.index_logits(q, w, keys, rows, key_scale=self.pools.scale_of(keys))
+        k = min(cfg.index_topk, rows.num_rows)
+        values, chosen = ops.topk_lowest_index(logits, k, lengths=rows.lengths)
+        self.selection[i] = (rows.slots_of(chosen), torch.isfinite(values))
+        return self.selection[i]
+
+    # -- the layout of a step's rows: one per request (decode) or T per request (verify) --
+
+    def _qrow(self) -> torch.Tensor | None:
+        """The batch row of each query row (None: one query per batch row)."""
+        return self.meta.row_batch
+
+    def _new_group_rows(self, rows: torch.Tensor, sm: StreamMeta) -> torch.Tensor:
+        """This step's compressor rows as the ``group_src == 1`` rows of each group (decode:
+        the row's own, broadcast; verify: gathered from the step's rows)."""
+        return rows[:, None, :] if sm.group_new is None else rows[sm.group_new]
+
+    def _own_ring_rows(self, sm: StreamMeta) -> torch.Tensor:
+        """Ring rows of the ``group_src == 1`` rows of each group (after this step's store)."""
+        if sm.group_new is None:
+            return sm.ring_new[:, None].expand_as(sm.group_rows)
+        return sm.ring_new[sm.group_new]
+
+
+def _with_late_mask(meta: StepMeta, pools: KVPools) -> StepMeta:
+    """``meta`` (a decode or verify step's) with the window mask of the layers after the last KV
+    source, when tail-only prefill left holes in their SWA; marks the step's own slots held."""
+    valid = pools.late_swa_valid
+    if valid is None:
+        return meta
+    valid.index_fill_(0, meta.swa_new, True)  # no host scalar: capturable
+    return replace(meta, late_window_mask=meta.window_mask & valid[meta.window_slots])
+
+
+class GraphDecoder:
+    """Decode steps from raw batch state; on CUDA each (batch, context) bucket is captured once
+    as a CUDA graph and replayed. On the CPU the same code runs eagerly (tested in CI)."""
+
+    def __init__(
+        self,
+        weights: ModelWeights,
+        pools: KVPools,
+        cache: CacheConfig,
+        max_batch: int,
+        max_context: int,
+        use_graphs: bool | None = None,
+        min_context_bucket: int = 1024,
+    ) -> None:
+        self.weights, self.pools, self.cache = weights, pools, cache
+        self.buffers = DecodeBuffers(cache, max_batch, max_context, weights.device)
+        self.use_graphs = weights.device.type == "cuda" if use_graphs is None else use_graphs
+        self.min_context_bucket = min_context_bucket
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pools_generation = pools.generation  # a re-balance resized them: graphs stale
+
+    @torch.no_grad()
+    def _run(self, batch: int, context: int) -> torch.Tensor:
+        meta = step_metadata(self.cache, self.pools, self.buffers, batch, context)
+        meta = _with_late_mask(meta, self.pools)
+        keys = GraphKeys(self.weights, self.pools, meta)
+        return forward(self.weights, self.buffers.tokens[:batch], meta.positions, keys)
+
+    def step(
+        self, requests: list[Request], tokens: Tokens, deltas: Iterable[PageTableDelta]
+    ) -> torch.Tensor:
+        """Logits ``(len(requests), V)`` of one decode step; the requests were just extended
+        by ``tokens`` (one each). ``deltas``: the step plan's, after any other table changes
+        of these requests since the last step (`DecodeBuffers.load`)."""
+        self.buffers.load(requests, tokens, deltas)
+        longest = max(r.length for r in requests)
+        context = context_bucket(longest, self.min_context_bucket, self.buffers.max_context)
+        batch = min(power_bucket(len(requests), 1), self.buffers.max_batch)
+        if not self.use_graphs:
+            return self._run(batch, context)[: len(requests)]
+        return self._replay(batch, context)[: len(requests)]
+
+    # CUDA only (CI has no GPU): bench/gpu_equivalence.py checks graph decode against the
+    # reference on the H200, bench/decode_context.py times it (docs/benchmarks.md).
+
+    def _replay(self, batch: int, context: int) -> torch.Tensor:  # pragma: no cover
+        key = (batch, context)
+        if self._pools_generation != self.pools.generation:  # captured the old tensors
+            self._graphs.clear()
+            self._pools_generation = self.pools.generation
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(batch, context)
+        graph, out = self._graphs[key]
+        graph.replay()
+        return out
+
+    def _capture(self, batch: int, context: int):  # pragma: no cover
+        # Warm up on a side stream (allocator pools, lazy inits), then capture. Warm-up and
+        # capture write only sentinel rows: padding rows are invalid. The live rows are
+        # rewritten identically by the replay that follows.
+        saved = [t.clone() for t in (self.buffers.valid,)]
+        self.buffers.valid.zero_()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._run(batch, context)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._run(batch, context)
+        self.buffers.valid.copy_(saved[0])
+        return graph, out
