@@ -2,10 +2,10 @@
 corpus and writes its weights (docs/training.md).
 
 ``--device cpu`` is a smoke run (the committed fixture excerpt unless ``--corpus``, a few
-steps); ``--device cuda`` the real run on the full corpus (``python -m adapters.training.corpus
-fetch``
-first). ``--ship`` writes the package's file (``adapters/model/trained/``) and prints the SHA-256 line
-to record in `adapters.model.weights_file.SHIPPED`.
+steps); ``--device cuda`` the real run on the full corpus (``python -m
+adapters.training.corpus fetch`` first). ``--ship`` writes the package's file
+(``adapters/model/trained/``) and prints the SHA-256 line to record in
+`adapters.model.weights_file.SHIPPED`.
 """
 
 from __future__ import annotations

@@ -1,1 +1,3 @@
-"""engine"""
+"""The serving loop: the continuous-batching runner (admission, prefill, decode, overlap,
+emission), sampling and speculative decoding.
+"""
