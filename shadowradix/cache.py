@@ -17,6 +17,7 @@ from itertools import compress
 
 import numpy as np
 
+from . import slots
 from .allocator import PageAllocator
 from .config import CacheConfig
 from .deltas import TableChanges
@@ -125,9 +126,9 @@ class ShadowRadixCache(
                     )
             match = self._current_match(arr, match)
         p, w = self.config.page_size, self.config.window
-        prefix_pages = match.prefix_len // p
-        window_first = max(0, match.prefix_len - w) // p
-        replay_pages = prefix_pages - window_first if match.is_replay else 0
+        prefix_pages = slots.page_of(match.prefix_len, p)
+        window_first = slots.window_first_page(match.prefix_len, w, p)
+        replay_pages = slots.window_num_pages(match.prefix_len, w, p) if match.is_replay else 0
         self._ensure_capacity(0, replay_pages)
         node = match.node
         if 0 < match.node_pages < node.num_pages:

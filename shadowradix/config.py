@@ -10,6 +10,7 @@ from functools import cached_property
 
 import numpy as np
 
+from . import slots
 from .errors import ConfigError
 
 #: DeepSeek-V4-Flash layer pattern: two SWA-only layers, then C4 / C128 alternating (43 layers).
@@ -186,7 +187,7 @@ class CacheConfig:
                 raise ConfigError(
                     f"{name} must be a multiple of page_size and >= the live capacity"
                 )
-        window_pages = -(-self.window // p) + 2
+        window_pages = self.window_pages + 1
         if self.swa_capacity // p < window_pages:
             raise ConfigError(
                 f"swa_capacity={self.swa_capacity} holds fewer than the {window_pages} pages "
@@ -225,7 +226,7 @@ class CacheConfig:
     @property
     def window_pages(self) -> int:
         """SWA pages a request may hold outside its newest chunk: the window plus one page."""
-        return -(-self.window // self.page_size) + 1
+        return slots.tail_window_pages(self.window, self.page_size) + 1
 
     @property
     def min_hit_granularity(self) -> int:
@@ -276,7 +277,7 @@ class CacheConfig:
         costs come from the model (all layers together, compressed pools amortised per token);
         ``fixed_bytes`` is what the pools cost whatever their sizes (their sentinel rows) and
         comes off the budget first. Pools with rows for the live capacities then hold at most
-        ``total_bytes`` (`adapters.pool_budget.budget_cache_config` measures the costs).
+        ``total_bytes`` (`adapters.memory.pool_budget.budget_cache_config` measures the costs).
         ``max_*_capacity`` bound how far `rebalance` may grow each pool later: the whole
         budget in that pool (the caller keeps the sum within the budget: `split_budget`).
         """

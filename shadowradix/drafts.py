@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import slots
 from .errors import InvalidRequestError
 from .request import Request
 from .table_edits import TableEdits
@@ -89,7 +90,7 @@ class DraftVerbs:
         start = request.length - request.num_draft
         accepted = request.num_draft - num_tokens
         end = start + accepted
-        keep_pages = -(-end // p)
+        keep_pages = slots.num_pages(end, p)
         rejected_s = request.swa_pages[keep_pages - request.swa_base :]
         rejected_v = request.vpages.slice(keep_pages)
         self._swa.give_back(rejected_s)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from . import slots
 from .errors import ConfigError, InvalidRequestError, LockError
 from .events import KvEvent
 from .locks import PinReceipt
@@ -93,8 +94,8 @@ class EmbedderVerbs:
         full = None if node.is_root else self._locks.lock_full(node)
         swa = None
         if match.window is WindowSource.LIVE:
-            first = max(0, match.prefix_len - self.config.window) // p
-            if first < match.prefix_len // p:
+            first = slots.window_first_page(match.prefix_len, self.config.window, p)
+            if first < slots.page_of(match.prefix_len, p):
                 swa = self._locks.lock_swa(node, first)
         tokens_pinned = (node.end_page * p) if full is not None else 0
         receipt = PinReceipt(next(self._pin_ids), tokens_pinned, full, swa)

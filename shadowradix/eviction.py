@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import slots
 from .errors import CapacityError, ConfigError, InvalidRequestError
 from .relocation import RebalanceReport, relocate
 from .results import EvictionReport
@@ -47,7 +48,8 @@ class EvictionPolicy:
         if full is None or swa is None:
             raise InvalidRequestError("eviction sizes must be non-negative ints (tokens)")
         p = self.config.page_size
-        report = self._evict_full(-(-full // p)) + self._evict_swa(-(-swa // p))
+        num_full, num_swa = slots.num_pages(full, p), slots.num_pages(swa, p)
+        report = self._evict_full(num_full) + self._evict_swa(num_swa)
         self._debug_check()
         return report
 
@@ -56,7 +58,7 @@ class EvictionPolicy:
         eviction victims were last used. ``None``: nothing evictable in the pool, or, for SWA,
         a victim at a node's head, before its tail window (no match can end there, so losing
         it costs no hit). A pool whose victims are young evicts what it still needs; one whose
-        victims are old holds slack (`adapters.pool_balance` moves memory on this). Mutates
+        victims are old holds slack (`adapters.memory.pool_balance` moves memory on this). Mutates
         nothing."""
         clock = self._tree.clock
         full, swa = self._index.oldest_full_leaf(), self._index.oldest_swa()

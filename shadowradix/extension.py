@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import slots
 from .errors import InvalidRequestError, StalePlanError
 from .eviction import NO_EVICTION
 from .request import Request, RequestState
@@ -77,7 +78,7 @@ class StepExtension:
             start, base = r.length, r.swa_base
             v_end, s_end = len(r.vpages), base + len(r.swa_pages)
             self._grow(r, vp, sp)
-            first = max(r.swa_base, (start - self.config.window) // p)
+            first = max(r.swa_base, slots.window_first_page(start, self.config.window, p))
             runs.append(
                 Run(
                     start,
@@ -131,7 +132,7 @@ class StepExtension:
             vpages.append(table.own[page - table.base])  # a new token's page is never shared
             spages.append(r.swa_pages[page - base])
             if not (start + 1) & group_mask:
-                first = max(base, (start - w) // p)
+                first = max(base, slots.window_first_page(start, w, p))
                 carry_tables[i] = (first, r.swa_pages[first - base : page + 1 - base])
             r._append_one(t)
             if page != r.released_at // p:
@@ -196,7 +197,7 @@ class StepExtension:
     def _pages_needed(self, request: Request, num_tokens: int) -> tuple[int, int]:
         p = self.config.page_size
         end = request.length + num_tokens
-        last_page = (end - 1) // p
-        num_v = last_page + 1 - len(request.vpages)
-        num_s = last_page + 1 - (request.swa_base + len(request.swa_pages))
+        pages = slots.num_pages(end, p)
+        num_v = pages - len(request.vpages)
+        num_s = pages - (request.swa_base + len(request.swa_pages))
         return num_v, num_s

@@ -6,6 +6,7 @@ from typing import Protocol
 
 import numpy as np
 
+from . import slots
 from .allocator import PageAllocator
 from .config import CacheConfig
 from .errors import require
@@ -88,13 +89,14 @@ def _check_request(cache: CacheState, r: Request) -> None:
     path = r.terminal.path_from_root()
     tree_vpages = _concat([n.vpages for n in path]).tolist()
     require(r.vpages[: r.tree_pages] == tree_vpages, f"{r}: page table disagrees with its path")
-    num_pages = -(-len(r.tokens) // p)
+    num_pages = slots.num_pages(len(r.tokens), p)
     require(len(r.vpages) == num_pages, f"{r}: {len(r.vpages)} virtual pages for {num_pages}")
     require(r.tree_pages * p <= r.num_committed, f"{r}: drafts reached the tree")
     require(r.swa_base + len(r.swa_pages) == num_pages, f"{r}: SWA table does not reach the end")
     require(len(r.swa_owned) == len(r.swa_pages), f"{r}: SWA ownership flags out of step")
     # SWA held per request: the window before the last page boundary plus newer pages only.
-    require(r.swa_base == max(0, r.released_at // p * p - w) // p, f"{r}: window not trimmed")
+    held_from = slots.held_window_first_page(r.released_at, w, p)
+    require(r.swa_base == held_from, f"{r}: window not trimmed")
     for i, (page_id, own) in enumerate(zip(r.swa_pages, r.swa_owned)):
         k = r.swa_base + i
         if own:

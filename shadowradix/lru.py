@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from heapq import heapify, heappop, heappush
 
+from . import slots
 from .errors import require
 from .node import Node
 
@@ -40,7 +41,7 @@ class LruIndex:
         self.page_size = page_size
         self.window = window
         #: a node's last ``window`` tokens meet its last this many pages
-        self._window_pages = -(-window // page_size)
+        self._window_pages = slots.tail_window_pages(window, page_size)
         #: heaps of ``(last_access, id)`` and ``(tier, last_access, id)``, stale entries included
         self._full: list[tuple[int, ...]] = []
         self._swa: list[tuple[int, ...]] = []

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import slots
 from .errors import InvalidRequestError, StaleMatchError
 from .node import Node
 from .radix_tree import RadixTree, Walk
@@ -140,7 +141,7 @@ class PrefixMatching:
             end_page = n.start_page + used
             if (
                 end_page > n.start_page + n.live_from
-                and max(0, end_page * p - w) >= run_start[i] * p
+                and slots.window_first_page(end_page * p, w, p) >= run_start[i]
             ):
                 return n, used
         return root, 0

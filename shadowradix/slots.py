@@ -15,7 +15,12 @@ ints; only ``xp``-taking functions need the namespace (``numpy`` or ``torch``), 
     in-flight rows at length  [first_inflight(L, r, overlap), L)
     visible entries at pos    visible_entries(pos, r) = (pos + 1) // r
     window at length L        [window_first(L, W), L): the query at pos sees the window at pos+1;
-                              its pages from window_first_page(L, W, P)
+                              its pages from window_first_page(L, W, P), window_num_pages of
+                              them before L's page
+    window a request holds    from held_window_first_page(C, W, P) once C tokens are computed:
+                              the window before the page boundary page_start(C, P)
+    pages of L tokens         num_pages(L, P) = ceil(L / P); a node's tail window tier: the last
+                              tail_window_pages(W, P) = num_pages(W, P) pages
 
 Preconditions, because NumPy and torch share exactly these semantics only there:
 
@@ -50,6 +55,17 @@ def log2(n: int) -> int:
 def page_of(pos: Ints, page_size: int) -> Ints:
     """The page holding ``pos`` (``pos // P``)."""
     return pos >> log2(page_size)
+
+
+def page_start(pos: Ints, page_size: int) -> Ints:
+    """The first position of ``pos``'s page: the last page boundary at or before ``pos``
+    (``pos // P * P``)."""
+    return page_of(pos, page_size) << log2(page_size)
+
+
+def num_pages(length: Ints, page_size: int) -> Ints:
+    """Pages holding positions ``[0, length)``: ``ceil(length / P)``."""
+    return (length + page_size - 1) >> log2(page_size)
 
 
 def page_slot(page: Ints, pos: Ints, page_size: int) -> Ints:
@@ -128,6 +144,29 @@ def window_first_page(
     """The first page of the window at ``length`` (page 0 when it reaches before position 0):
     the SWA pages a request or a match must hold from."""
     return page_of(clamp_low(window_first(length, window), xp), page_size)
+
+
+def window_num_pages(
+    length: Ints, window: int, page_size: int, xp: ModuleType | None = None
+) -> Ints:
+    """Pages ``[window_first_page(L, W, P), page_of(L, P))``: at a page boundary ``L``, the
+    pages of the window at ``L`` (those a replayed hit ending at ``L`` rebuilds)."""
+    return page_of(length, page_size) - window_first_page(length, window, page_size, xp)
+
+
+def held_window_first_page(
+    computed_len: Ints, window: int, page_size: int, xp: ModuleType | None = None
+) -> Ints:
+    """The first SWA page a running request still holds once ``computed_len`` tokens are
+    computed: the window before the last page boundary ``F = page_start(computed_len)``,
+    ``[F - W, F)``, so that inserting the request later leaves a live window before ``F``."""
+    return window_first_page(page_start(computed_len, page_size), window, page_size, xp)
+
+
+def tail_window_pages(window: int, page_size: int) -> int:
+    """Pages the last ``window`` tokens before a page boundary meet (a node's tail-window
+    eviction tier): ``ceil(W / P)``."""
+    return num_pages(window, page_size)
 
 
 def clamp_low(x: Ints, xp: ModuleType | None = None, low: int = 0) -> Ints:

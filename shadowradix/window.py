@@ -54,8 +54,7 @@ class WindowTrim:
         whether any page was dropped (the SWA lock then needs re-taking)."""
         p = self.config.page_size
         request.released_at = max(request.released_at, computed_len)
-        boundary = slots.page_of(request.released_at, p) * p  # F
-        new_base = slots.window_first_page(boundary, self.config.window, p)
+        new_base = slots.held_window_first_page(request.released_at, self.config.window, p)
         drop = new_base - request.swa_base
         if drop <= 0:
             return False

@@ -15,6 +15,7 @@ split `admit` itself would make, invisible to matching and to page accounting.
 
 from __future__ import annotations
 
+from .. import slots
 from ..cache import ShadowRadixCache
 from ..errors import CapacityError, InvalidRequestError
 from ..locks import PinReceipt
@@ -27,9 +28,9 @@ def pages_to_admit(cache: ShadowRadixCache, match: MatchResult, num_tokens: int)
     """(virtual, SWA) pages that admitting at ``match`` and extending by ``num_tokens`` takes:
     the pages from the resume point to the end, plus a replayed window's private SWA."""
     p, w = cache.config.page_size, cache.config.window
-    prefix_pages = match.prefix_len // p
-    new_pages = -(-(match.prefix_len + num_tokens) // p) - prefix_pages
-    replay_pages = prefix_pages - max(0, match.prefix_len - w) // p if match.is_replay else 0
+    prefix_pages = slots.page_of(match.prefix_len, p)
+    new_pages = slots.num_pages(match.prefix_len + num_tokens, p) - prefix_pages
+    replay_pages = slots.window_num_pages(match.prefix_len, w, p) if match.is_replay else 0
     return new_pages, new_pages + replay_pages
 
 
