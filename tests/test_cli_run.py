@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -66,6 +67,11 @@ def test_run_prompts_from_arguments_and_file(
         (["run", "x", "--speculative", "0"], "--speculative: 0 is below 1"),
         (["run", "x", "--arrival-steps", "-2"], "--arrival-steps: -2 is below 0"),
         (["run", "x", "--bogus"], "unrecognized arguments: --bogus"),
+        (["run", "x", "--pool-budget-gib", "0"], "--pool-budget-gib: 0 must be > 0"),
+        (["run", "x", "--pool-budget-gib", "1e-6"], "--pool-budget-gib 1e-06: "),
+        (["run", "x", "--pool-budget-gib", "1", "--swa-tokens", "4096"], "drop --full-tokens"),
+        (["run", "x", "--pool-budget-gib", "1", "--hisparse-pages", "8"], "HiSparse"),
+        (["run", "x", "--swa-full-ratio", "0.5"], "--swa-full-ratio needs --pool-budget-gib"),
         (["demo", "--page-size", "3"], "page_size must be one of"),
         (["demo", "--conversations", "0"], "--conversations: 0 is below 1"),
         (["demo", "--turns", "0"], "--turns: 0 is below 1"),
@@ -164,3 +170,25 @@ def test_a_refused_prompt_does_not_stop_the_others(capsys: pytest.CaptureFixture
 def test_bad_memory_budget_is_an_error(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "hi", "--device", "cpu", "--memory-budget-gib", bad]) == 2
     assert "--memory-budget-gib must be positive" in capsys.readouterr().err
+
+
+def test_run_within_a_pool_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--pool-budget-gib`` sizes both pools from the budget (their bytes at most it) at the
+    ``--swa-full-ratio`` split, and the header says so."""
+    from adapters.cli.main import add_run_parser
+    from adapters.cli.run_command import build_runner
+
+    parser = argparse.ArgumentParser()
+    add_run_parser(parser.add_subparsers(dest="command"))
+    budget = 0.004
+    args = parser.parse_args(["run", "x", "--device", "cpu", "--pool-budget-gib", str(budget),
+                              "--swa-full-ratio", "0.25", "--chunk-tokens", "64"])  # fmt: skip
+    runner = build_runner(args)
+    assert runner.pools.nbytes().total <= budget * 2**30
+    cfg = runner.cache.config
+    assert cfg.swa_capacity == pytest.approx(0.25 * cfg.full_capacity, rel=0.1)
+    assert runner.pool_balance is not None  # re-balanced at run time
+    argv = ["run", "hi", "--device", "cpu", "--max-new-tokens", "3", "--quiet",
+            "--pool-budget-gib", str(budget), "--chunk-tokens", "64"]  # fmt: skip
+    assert main(argv) == 0
+    assert f"(from {budget:g} GiB, re-balanced at run time)" in capsys.readouterr().out

@@ -37,6 +37,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0")
+    return value
+
+
 def add_run_parser(sub) -> None:
     run = sub.add_parser("run", help="decode prompts end to end with the embedded model")
     run.add_argument("prompts", nargs="*", help="prompt texts (default: a built-in chat set)")
@@ -59,10 +66,17 @@ def add_run_parser(sub) -> None:
     run.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     run.add_argument("--page-size", type=positive, default=64,
                      help="tokens per cache page, a power of two (default 64)")  # fmt: skip
-    run.add_argument("--full-tokens", type=positive, default=64 * 1024,
+    run.add_argument("--full-tokens", type=positive,
                      help="full (compressed) pool capacity in tokens (default 65536)")  # fmt: skip
-    run.add_argument("--swa-tokens", type=positive, default=8 * 1024,
+    run.add_argument("--swa-tokens", type=positive,
                      help="sliding-window pool capacity in tokens (default 8192)")  # fmt: skip
+    run.add_argument("--pool-budget-gib", type=_positive_float, metavar="GIB",
+                     help="size both KV pools from this many GiB instead of --full-tokens / "
+                     "--swa-tokens, and move memory between them at run time when one starves "
+                     "(not with --hisparse-pages)")  # fmt: skip
+    run.add_argument("--swa-full-ratio", type=_positive_float, metavar="R",
+                     help="with --pool-budget-gib: SWA tokens per full token to start with "
+                     "(default 0.125, the default pools' ratio)")  # fmt: skip
     run.add_argument("--chunk-tokens", type=positive, default=256,
                      help="most prompt tokens a prefill step computes (default 256)")  # fmt: skip
     run.add_argument("--max-running", type=positive, default=32,

@@ -9,6 +9,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from adapters.engine.budget_runner import budget_runner
 from adapters.engine.runner import GenerationResult, Runner, SchedulePolicy
 from adapters.engine.sampling import SamplingParams
 from adapters.memory.device import resolve_device
@@ -17,25 +18,21 @@ from adapters.model.model_config import ModelConfig, preset
 from adapters.model.tokenizer import ByteTokenizer
 from adapters.model.weights import ModelWeights
 from adapters.model.weights_file import SHIPPED, default_preset, load_shipped, load_weights
-from shadowradix import InvalidRequestError
+from shadowradix import ConfigError, InvalidRequestError
+
+DEFAULT_FULL_TOKENS, DEFAULT_SWA_TOKENS = 64 * 1024, 8 * 1024
 
 
 def build_runner(args: argparse.Namespace) -> Runner:
+    """The runner ``args`` describe: pools of ``--full-tokens`` / ``--swa-tokens``, or sized
+    from ``--pool-budget-gib`` and re-balanced at run time. Raises `ValueError` for
+    contradicting options."""
     model = preset(args.model or default_preset())
     if args.layers is not None:
         model = model.first_layers(args.layers)
-    cache = model.cache_config(
-        page_size=args.page_size,
-        full_capacity=args.full_tokens,
-        swa_capacity=args.swa_tokens,
-        bounded_replay=args.bounded_replay,
-        speculative=args.speculative is not None,
-    )
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the Runner's default
-    return Runner(
-        model,
-        cache,
+    options = dict(
         device=device,
         dtype=dtype,
         weights=_weights(args, model, device, dtype),
@@ -49,6 +46,39 @@ def build_runner(args: argparse.Namespace) -> Runner:
         swa_format=CacheFormat[args.swa_format.upper()],
         schedule=SchedulePolicy(args.schedule),
     )
+    cache_kwargs = dict(
+        bounded_replay=args.bounded_replay, speculative=args.speculative is not None
+    )
+    budget = getattr(args, "pool_budget_gib", None)
+    ratio = getattr(args, "swa_full_ratio", None)
+    if budget is None:
+        if ratio is not None:
+            raise ValueError("--swa-full-ratio needs --pool-budget-gib")
+        cache = model.cache_config(
+            page_size=args.page_size,
+            full_capacity=args.full_tokens or DEFAULT_FULL_TOKENS,
+            swa_capacity=args.swa_tokens or DEFAULT_SWA_TOKENS,
+            **cache_kwargs,
+        )
+        return Runner(model, cache, **options)  # type: ignore[arg-type]
+    if args.full_tokens is not None or args.swa_tokens is not None:
+        raise ValueError("--pool-budget-gib sizes the pools: drop --full-tokens / --swa-tokens")
+    if args.hisparse_pages is not None:
+        raise ValueError("--pool-budget-gib re-balances pools at run time, which HiSparse does "
+                         "not support: drop one of --pool-budget-gib / --hisparse-pages")
+    if ratio is None:
+        ratio = DEFAULT_SWA_TOKENS / DEFAULT_FULL_TOKENS
+    try:
+        return budget_runner(
+            model,
+            int(budget * 2**30),
+            ratio,
+            page_size=args.page_size,
+            cache_kwargs=cache_kwargs,
+            **options,  # type: ignore[arg-type]
+        )
+    except ConfigError as exc:  # a budget too small for one window, say
+        raise ValueError(f"--pool-budget-gib {budget:g}: {exc}") from exc
 
 
 def _weights(
@@ -77,6 +107,11 @@ def _budget_bytes(gib: float | None) -> int | None:
     return int(gib * 2**30)
 
 
+def _budget_note(args: argparse.Namespace) -> str:
+    budget = getattr(args, "pool_budget_gib", None)
+    return "" if budget is None else f" (from {budget:g} GiB, re-balanced at run time)"
+
+
 def run_command(args: argparse.Namespace, texts: list[str]) -> int:
     tok = ByteTokenizer()
     runner = build_runner(args)
@@ -86,7 +121,8 @@ def run_command(args: argparse.Namespace, texts: list[str]) -> int:
         f"{runner.model.compress_ratios}), {_weights_source(args, runner.model)} weights in "
         f"{runner.weights.dtype} on {runner.device}, page "
         f"{runner.cache.config.page_size}, pools {runner.cache.config.full_capacity} full / "
-        f"{runner.cache.config.swa_capacity} SWA tokens, {len(texts)} prompt(s)",
+        f"{runner.cache.config.swa_capacity} SWA tokens{_budget_note(args)}, {len(texts)} "
+        "prompt(s)",
         flush=True,
     )
     pending = [tok.encode(t) for t in texts]
