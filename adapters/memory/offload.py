@@ -52,7 +52,8 @@ class OffloadStats:
     backup_pages: int = 0
     swap_in_bytes: int = 0
     exchanges: int = 0
-    read_pages: int = 0
+    read_pages: int = 0  # distinct pages read, summed over exchanges (layer-steps)
+    max_read_pages: int = 0  # the most distinct pages one exchange read: the smallest buffer
 
 
 @dataclass
@@ -201,7 +202,9 @@ class C4Offload:
         dev_rows = np.full(read_valid.shape, sentinel, dtype=np.int64)
         dev_rows[valid_np] = np.asarray(plan.read_slots, dtype=np.int64) * spp + read_np % spp
         self.stats.exchanges += 1
-        self.stats.read_pages += len(np.unique(read_np // spp))
+        distinct = len(np.unique(read_np // spp))
+        self.stats.read_pages += distinct
+        self.stats.max_read_pages = max(self.stats.max_read_pages, distinct)
         return buf[torch.from_numpy(dev_rows).to(self.device)]
 
     def read(self, layer: int, read_slots: torch.Tensor, read_valid: torch.Tensor) -> torch.Tensor:
