@@ -21,7 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from adapters.engine.sampling import MIN_TEMPERATURE, Sampler
+from adapters.engine.sampling import Sampler
+from adapters.model.tempered import inverse_cdf, sample_tempered
+
+__all__ = ["RejectionResult", "accept_sampled", "rejection_sample", "sample_tempered"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ def rejection_sample(
     # a rejection happens only where p < q somewhere, so the residual has mass; guard rounding
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p[rows, accepted], residual)
-    return RejectionResult(accepted, _inverse_cdf(residual, uniforms[:, k]))
+    return RejectionResult(accepted, inverse_cdf(residual, uniforms[:, k]))
 
 
 def _draft_probs(drafts: torch.Tensor, draft_probs: torch.Tensor | None, p: torch.Tensor):
@@ -74,27 +77,6 @@ def _draft_probs(drafts: torch.Tensor, draft_probs: torch.Tensor | None, p: torc
         q[:, :k].scatter_(-1, drafts.long()[..., None], 1.0)
         return q
     return torch.cat((draft_probs.to(p.dtype), p.new_zeros(b, 1, p.shape[-1])), dim=1)
-
-
-def sample_tempered(
-    logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of ``logits`` ``(B, V)``: drawn by inverse CDF at ``uniforms`` ``(B,)``
-    from softmax(logits / T) where ``temperatures[i] > 0``, the argmax where it is 0. Returns
-    the tokens and the float64 distributions they were drawn from (tensor ops only)."""
-    t = temperatures.to(torch.float64).clamp(min=MIN_TEMPERATURE)[:, None]
-    probs = torch.softmax(logits.double() / t, dim=-1)
-    sampled = _inverse_cdf(probs, uniforms)
-    return torch.where(temperatures > 0, sampled, logits.argmax(dim=-1)), probs
-
-
-def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One index per row of the non-negative ``weights`` ``(B, V)``: the first whose cumulative
-    weight exceeds ``u * total`` (a zero-weight index is never drawn)."""
-    cdf = weights.cumsum(dim=-1)
-    t = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
-    idx = torch.searchsorted(cdf, t, right=True)[:, 0]
-    return idx.clamp(max=weights.shape[-1] - 1)
 
 
 def _check_shapes(drafts, target_probs, uniforms, draft_probs) -> None:

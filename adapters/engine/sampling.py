@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from adapters.model.tempered import MIN_TEMPERATURE
 from shadowradix import InvalidRequestError
 
-#: Below this, logits / T overflows fp64 for ordinary logit ranges: use 0 (greedy) instead.
-MIN_TEMPERATURE = 1e-3
 MAX_TEMPERATURE = 1e3
 
 

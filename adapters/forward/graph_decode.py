@@ -15,7 +15,7 @@ since the last step); a request new to its row is written whole, once.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 import numpy as np
@@ -210,9 +210,58 @@ def _with_late_mask(meta: StepMeta, pools: KVPools) -> StepMeta:
     return replace(meta, late_window_mask=meta.window_mask & valid[meta.window_slots])
 
 
+class CudaGraphs:
+    """CUDA graphs of one step function ``run(batch, context) -> output``, one captured per
+    (batch bucket, context bucket) and replayed; held by composition by every object whose step
+    is a graph (`GraphDecoder`, `mtp.MTPDrafter`). A re-balance that resized the pools (their
+    ``generation`` moved) drops every graph: they captured the old tensors. CUDA only."""
+
+    def __init__(self, run: Callable[[int, int], torch.Tensor], pools: KVPools) -> None:
+        self.run, self.pools = run, pools
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pools_generation = pools.generation
+
+    # CUDA only (CI has no GPU): bench/gpu_equivalence.py checks graph decode against the
+    # reference on the H200, bench/decode_context.py times it (docs/benchmarks.md).
+
+    def replay(  # pragma: no cover
+        self, batch: int, context: int, valid: torch.Tensor
+    ) -> torch.Tensor:
+        """The output of ``run(batch, context)`` (its graph's buffer, reused by the next
+        replay); ``valid``: the batch slots' validity buffer, zeroed while capturing."""
+        key = (batch, context)
+        if self._pools_generation != self.pools.generation:  # captured the old tensors
+            self._graphs.clear()
+            self._pools_generation = self.pools.generation
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(batch, context, valid)
+        graph, out = self._graphs[key]
+        graph.replay()
+        return out
+
+    def _capture(self, batch: int, context: int, valid: torch.Tensor):  # pragma: no cover
+        # Warm up on a side stream (allocator pools, lazy inits), then capture. Warm-up and
+        # capture write only sentinel rows: padding rows are invalid. The live rows are
+        # rewritten identically by the replay that follows.
+        saved = valid.clone()
+        valid.zero_()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.run(batch, context)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self.run(batch, context)
+        valid.copy_(saved)
+        return graph, out
+
+
 class GraphDecoder:
     """Decode steps from raw batch state; on CUDA each (batch, context) bucket is captured once
-    as a CUDA graph and replayed. On the CPU the same code runs eagerly (tested in CI)."""
+    as a CUDA graph (`CudaGraphs`, held) and replayed. On the CPU the same code runs eagerly
+    (tested in CI)."""
 
     def __init__(
         self,
@@ -228,8 +277,7 @@ class GraphDecoder:
         self.buffers = DecodeBuffers(cache, max_batch, max_context, weights.device)
         self.use_graphs = weights.device.type == "cuda" if use_graphs is None else use_graphs
         self.min_context_bucket = min_context_bucket
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pools_generation = pools.generation  # a re-balance resized them: graphs stale
+        self.graphs = CudaGraphs(self._run, pools)  # a subclass's `_run` (bound: resolved now)
 
     @torch.no_grad()
     def _run(self, batch: int, context: int) -> torch.Tensor:
@@ -252,34 +300,5 @@ class GraphDecoder:
             return self._run(batch, context)[: len(requests)]
         return self._replay(batch, context)[: len(requests)]
 
-    # CUDA only (CI has no GPU): bench/gpu_equivalence.py checks graph decode against the
-    # reference on the H200, bench/decode_context.py times it (docs/benchmarks.md).
-
     def _replay(self, batch: int, context: int) -> torch.Tensor:  # pragma: no cover
-        key = (batch, context)
-        if self._pools_generation != self.pools.generation:  # captured the old tensors
-            self._graphs.clear()
-            self._pools_generation = self.pools.generation
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(batch, context)
-        graph, out = self._graphs[key]
-        graph.replay()
-        return out
-
-    def _capture(self, batch: int, context: int):  # pragma: no cover
-        # Warm up on a side stream (allocator pools, lazy inits), then capture. Warm-up and
-        # capture write only sentinel rows: padding rows are invalid. The live rows are
-        # rewritten identically by the replay that follows.
-        saved = [t.clone() for t in (self.buffers.valid,)]
-        self.buffers.valid.zero_()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._run(batch, context)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._run(batch, context)
-        self.buffers.valid.copy_(saved[0])
-        return graph, out
+        return self.graphs.replay(batch, context, self.buffers.valid)

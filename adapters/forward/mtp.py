@@ -1,11 +1,6 @@
-"""The MTP layer: one extra SWA-only block that drafts the next token for speculative decoding.
-
-The MTP row at position ``t`` reads the main model's last hidden state at ``t - 1`` (before the
-final norm and head; zeros at ``t = 0``) and the embedding of token ``t``; each is RMS-normed,
-the two are concatenated and projected 2D -> D, then one SWA-only block (`layer_forward` with
-ratio 0) runs over its own sliding window, and the MTP's final norm and the main model's head
-give logits that predict token ``t + 1``. Drafting k tokens chains the MTP block on its own
-hidden state (docs/speculative.md).
+"""The MTP layer over the pools: its state in `KVPools`, the paged step that keeps it, and the
+drafter that chains the MTP block k times from raw batch state. The layer's maths and its dense
+reference are `adapters.model.mtp` (re-exported here).
 
 Its state lives in `KVPools` built with ``mtp=True``: the MTP layer's SWA KV is one more SWA
 layer at the same SWA slots as the main layers, and ``page_hidden`` keeps, per SWA page, the
@@ -21,65 +16,41 @@ from collections.abc import Iterable
 
 import torch
 
-from adapters.engine.rejection import sample_tempered
-from adapters.forward.graph_decode import GraphDecoder
+from adapters.forward.graph_decode import CudaGraphs, DecodeBuffers
 from adapters.forward.graph_meta import page_lookup
 from adapters.forward.paged import PagedKeys, PagedStep
 from adapters.memory.pools import KVPools
 from adapters.model import ops
-from adapters.model.model import LayerInput, final_hidden, head_logits, layer_forward
-from adapters.model.reference import DenseKeys
-from adapters.model.weights import ModelWeights, MTPWeights
+from adapters.model.model import LayerInput, final_hidden, head_logits
+from adapters.model.mtp import (
+    mtp_hidden,
+    mtp_kv,
+    mtp_logits,
+    mtp_streams,
+    mtp_weights,
+    reference_mtp_draft,
+    reference_mtp_logits,
+)
+from adapters.model.tempered import sample_tempered
+from adapters.model.weights import ModelWeights
 from shadowradix import CacheConfig, PageTableDelta, slots
 from shadowradix.request import Request
 
-
-def mtp_weights(weights: ModelWeights) -> MTPWeights:
-    if weights.mtp is None:
-        raise ValueError("the model has no MTP layer (ModelConfig.mtp=False)")
-    return weights.mtp
-
-
-def mtp_streams(weights: ModelWeights, prev_hidden: torch.Tensor, tokens: torch.Tensor):
-    """The MTP block's input streams ``(N, S, D)`` from the previous position's hidden state
-    ``(N, D)`` and the tokens ``(N,)``."""
-    cfg, m = weights.config, mtp_weights(weights)
-    h = ops.rms_norm(prev_hidden, m.hidden_norm, cfg.norm_eps)
-    e = ops.rms_norm(weights.embed[tokens], m.embed_norm, cfg.norm_eps)
-    x = torch.cat((h, e), dim=-1) @ m.proj
-    return x[:, None, :].expand(-1, cfg.hc_streams, -1).contiguous()
-
-
-def mtp_hidden(
-    weights: ModelWeights,
-    prev_hidden: torch.Tensor,
-    tokens: torch.Tensor,
-    positions: torch.Tensor,
-    keys,
-) -> torch.Tensor:
-    """The MTP block's output hidden state ``(N, D)``; ``keys`` (a `KeySource`) sees the MTP
-    layer as layer ``num_layers`` (ratio 0: its window only)."""
-    cfg = weights.config
-    streams = mtp_streams(weights, prev_hidden, tokens)
-    m = mtp_weights(weights)
-    return layer_forward(cfg, cfg.num_layers, m.layer, streams, positions, keys).mean(dim=1)
-
-
-def mtp_logits(weights: ModelWeights, hidden: torch.Tensor) -> torch.Tensor:
-    return head_logits(weights, hidden, mtp_weights(weights).final_norm)
-
-
-def mtp_kv(
-    weights: ModelWeights, prev_hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor:
-    """The MTP layer's SWA latent ``(N, d)`` of committed positions: the ops of `layer_forward`
-    up to its ``kv`` (bit-identical), without the attention and FFN nobody reads."""
-    cfg, lw = weights.config, mtp_weights(weights).layer
-    streams = mtp_streams(weights, prev_hidden, tokens)
-    x, _, _ = ops.hc_mix(streams, lw.hc_attn, cfg.sinkhorn_iters, cfg.norm_eps)
-    xn = ops.rms_norm(x, lw.attn_norm, cfg.norm_eps)
-    kv = ops.rms_norm(xn @ lw.w_kv, lw.kv_norm, cfg.norm_eps)
-    return ops.rope(kv, positions, cfg.rope_dim, cfg.rope_theta)
+__all__ = [
+    "MTPDrafter",
+    "mtp_hidden",
+    "mtp_kv",
+    "mtp_logits",
+    "mtp_streams",
+    "mtp_weights",
+    "page_end_rows",
+    "reference_mtp_draft",
+    "reference_mtp_logits",
+    "resume_hidden",
+    "run_step_mtp",
+    "shift_hidden",
+    "write_state",
+]
 
 
 def shift_hidden(hidden: torch.Tensor, first_rows: torch.Tensor, prev: torch.Tensor):
@@ -156,49 +127,7 @@ def run_step_mtp(
     return head_logits(weights, hidden if logit_rows is None else hidden[logit_rows]), hidden
 
 
-# -- the dense reference ------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def reference_mtp_logits(weights: ModelWeights, tokens: list[int] | torch.Tensor) -> torch.Tensor:
-    """MTP logits ``(T, V)`` at every position of ``tokens``, recomputed from scratch: row ``t``
-    predicts token ``t + 1`` from the main hidden state at ``t - 1`` and token ``t``."""
-    ids = torch.as_tensor(tokens, dtype=torch.long, device=weights.device)
-    positions = torch.arange(ids.shape[0], device=weights.device)
-    keys = DenseKeys(weights.config, ids.shape[0])
-    hidden = final_hidden(weights, ids, positions, keys)
-    prev = torch.cat((hidden.new_zeros(1, hidden.shape[1]), hidden[:-1]))
-    return mtp_logits(weights, mtp_hidden(weights, prev, ids, positions, keys))
-
-
-@torch.no_grad()
-def reference_mtp_draft(
-    weights: ModelWeights, tokens: list[int], num_tokens: int
-) -> tuple[list[int], torch.Tensor]:
-    """The MTP's greedy draft of ``num_tokens`` tokens after ``tokens`` (the last one is the
-    pending token, not yet run through the main model), recomputed densely for every token:
-    draft ``j`` comes from the MTP row at ``len(tokens) - 1 + j`` whose previous hidden state is
-    the main model's for ``j = 0`` and the MTP's own row before it afterwards. Returns the
-    drafts and their logits ``(num_tokens, V)``."""
-    dev = weights.device
-    ids = torch.as_tensor(tokens, dtype=torch.long, device=dev)
-    main = final_hidden(
-        weights, ids, torch.arange(len(tokens), device=dev), DenseKeys(weights.config, len(ids))
-    )
-    prev = torch.cat((main.new_zeros(1, main.shape[1]), main[:-1]))
-    drafts: list[int] = []
-    logits = []
-    for _ in range(num_tokens):
-        seq = torch.cat((ids, torch.as_tensor(drafts, dtype=torch.long, device=dev)))
-        keys = DenseKeys(weights.config, len(seq))  # the MTP layer: its window only
-        h = mtp_hidden(weights, prev, seq, torch.arange(len(seq), device=dev), keys)
-        logits.append(mtp_logits(weights, h[-1:])[0])
-        drafts.append(int(logits[-1].argmax()))
-        prev = torch.cat((prev, h[-1:]))
-    return drafts, torch.stack(logits)
-
-
-# -- drafting over the pools --------------------------------------------------------------------
+# -- drafting over the pools ----------------------------------------------------------------------
 
 
 class _DraftKeys:
@@ -218,11 +147,11 @@ class _DraftKeys:
         return ops.sink_attention(layer.q, keys, mask, layer.weights.sink, self.cfg.scale)
 
 
-class MTPDrafter(GraphDecoder):
+class MTPDrafter:
     """k chained MTP steps for a batch, from raw batch state in fixed device buffers (the page
     tables and lengths of `DecodeBuffers`, the pending tokens, the previous hidden states): the
-    whole draft is tensor ops, so on CUDA each batch bucket is captured once as a CUDA graph; on
-    the CPU it runs eagerly. It writes nothing to the pools."""
+    whole draft is tensor ops, so on CUDA each batch bucket is captured once as a CUDA graph
+    (`CudaGraphs`, held); on the CPU it runs eagerly. It writes nothing to the pools."""
 
     def __init__(
         self,
@@ -237,7 +166,10 @@ class MTPDrafter(GraphDecoder):
         mtp_weights(weights)
         if len(pools.swa) <= weights.config.num_layers:
             raise ValueError("MTP drafts need KVPools(..., mtp=True)")
-        super().__init__(weights, pools, cache, max_batch, max_context, use_graphs)
+        self.weights, self.pools, self.cache = weights, pools, cache
+        self.buffers = DecodeBuffers(cache, max_batch, max_context, weights.device)
+        self.use_graphs = weights.device.type == "cuda" if use_graphs is None else use_graphs
+        self.graphs = CudaGraphs(self._run, pools)
         self.num_tokens = num_tokens
         cfg = weights.config
         self.hidden = torch.zeros(max_batch, cfg.hidden, device=weights.device, dtype=weights.dtype)
@@ -325,4 +257,5 @@ class MTPDrafter(GraphDecoder):
         batch = min(max(1, 1 << (b - 1).bit_length()), self.buffers.max_batch)
         if not self.use_graphs:
             return self._run(batch, 0)[:b]
-        return self._replay(batch, 0)[:b]  # pragma: no cover - needs a GPU
+        valid = self.buffers.valid
+        return self.graphs.replay(batch, 0, valid)[:b]  # pragma: no cover - needs a GPU
