@@ -1,0 +1,1 @@
+"""Serving beyond one process on torch.distributed (PD, context and tensor parallelism)."""
