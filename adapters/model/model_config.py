@@ -229,12 +229,16 @@ FLASH_SHARED = replace(FLASH_SHAPED, name="flash-shared", **SHARED_LAYERS)  # ty
 #: (`adapters.model.weights_file.SHIPPED`,
 #: docs/training.md); ``Runner`` alone still draws random weights for it
 TINY_TRAINED = replace(TINY, name="tiny-trained")
+#: ``tiny-shared``'s layout with trained weights (shipped like ``tiny-trained``): tail-only
+#: prefill's quality is measurable on it
+TINY_SHARED_TRAINED = replace(TINY_SHARED, name="tiny-shared-trained")
 
 PRESETS = {
     "tiny": TINY,
     "tiny-trained": TINY_TRAINED,
     "flash-shaped": FLASH_SHAPED,
     "tiny-shared": TINY_SHARED,
+    "tiny-shared-trained": TINY_SHARED_TRAINED,
     "flash-shared": FLASH_SHARED,
 }
 

@@ -49,6 +49,13 @@ SHIPPED: dict[str, ShippedWeights] = {
         "tiny-trained.safetensors",
         "9aa7e6cfa88838d87fa7d245e6e216bfe9068bfe1d878036212a723ef79ed816",
     ),
+    # tiny-shared's layout, trained (the GPU run of docs/training.md writes it)
+    "tiny-shared-trained": ShippedWeights("tiny-shared-trained.safetensors", None),
+}
+
+#: the EAGLE draft heads (`adapters.model.eagle`), by the preset of the target they read
+SHIPPED_EAGLE: dict[str, ShippedWeights] = {
+    "tiny-trained": ShippedWeights("tiny-trained-eagle.safetensors", None),
 }
 
 

@@ -14,19 +14,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from adapters.model.model_config import ModelConfig, preset
-from adapters.model.weights import ModelWeights, init_weights
+from adapters.model.weights import init_weights
 from adapters.model.weights_file import from_state_dict, state_dict
 from adapters.training.corpus import Split
 
 from .data import TokenData
-from .evaluate import Evaluation, evaluate
+from .evaluate import evaluate
 from .forward import losses, train_forward
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
 #: steps timed to fit a time budget (the first ones compile and warm up)
 CALIBRATION = range(10, 30)
 #: seconds a budgeted run keeps for the final evaluation and saving
@@ -48,13 +49,18 @@ class TrainConfig:
     grad_clip: float = 1.0
     mtp_weight: float = 0.3
     aux_weight: float = 1.0
+    #: train an EAGLE draft head for the (frozen) preset instead of the model (`train_eagle`)
+    eagle: bool = False
+    eagle_depth: int = 3  # chained draft steps per position
+    eagle_reg_weight: float = 1.0
     seed: int = 0
     bf16: bool = True  # autocast on CUDA (the CPU always trains in fp32)
     log_every: int = 50
     eval_bytes: int = 256 * 1024  # per split, at the end
 
     def __post_init__(self) -> None:
-        if min(self.steps, self.batch, self.warmup + 1, self.log_every) < 1 or self.seq_len < 2:
+        sizes = (self.steps, self.batch, self.warmup + 1, self.log_every, self.eagle_depth)
+        if min(sizes) < 1 or self.seq_len < 2:
             raise ValueError(f"bad training sizes: {self}")
 
     def lr_at(self, step: int) -> float:
@@ -69,13 +75,45 @@ class TrainConfig:
 @dataclass(frozen=True)
 class TrainResult:
     config: TrainConfig  # as run (its steps set by a time budget, if any)
-    weights: ModelWeights
+    weights: Any  # `ModelWeights`; an `EagleWeights` head from `train_eagle`
     steps_done: int
     stopped_early: bool  # the time limit ended the run before ``steps``
     wall_s: float
-    train: Evaluation | None
-    heldout: Evaluation | None
+    train: Any  # `Evaluation` (`EagleEvaluation` for a head), None when not evaluated
+    heldout: Any
     log: tuple[dict[str, float], ...]  # one row per logged step
+
+
+class Objective(Protocol):
+    """What `run_steps` optimises: leaf ``params`` (fp32), the ``identity`` a checkpoint of
+    the run must match (besides the `TrainConfig`), and one batch's loss."""
+
+    params: dict[str, torch.Tensor]
+    identity: dict[str, object]
+
+    def loss(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss to minimise and the values to log (tensors)."""
+        ...
+
+
+class ModelObjective:
+    """The model and its MTP layer: ``main + mtp_weight * mtp + aux_weight * indexer_kl``
+    (`forward.losses`), from the preset's seeded random weights."""
+
+    def __init__(self, cfg: ModelConfig, tc: TrainConfig, device: torch.device) -> None:
+        self.cfg, self.tc = cfg, tc
+        self.params = init_params(cfg, device)
+        self.identity: dict[str, object] = dict(model_config=dataclasses.asdict(cfg))
+
+    def loss(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        out = train_forward(from_state_dict(self.cfg, self.params), tokens)
+        ls = losses(out, tokens, self.tc.mtp_weight, self.tc.aux_weight)
+        row = {"bits_per_byte": ls.main / math.log(2)}
+        if ls.mtp is not None:
+            row["mtp_bits_per_byte"] = ls.mtp / math.log(2)
+        if ls.indexer_kl is not None:
+            row["indexer_kl"] = ls.indexer_kl
+        return ls.total, row
 
 
 def init_params(cfg: ModelConfig, device: torch.device) -> dict[str, torch.Tensor]:
@@ -93,24 +131,24 @@ def make_optimizer(params: dict[str, torch.Tensor], tc: TrainConfig) -> torch.op
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def save_checkpoint(path: Path, tc: TrainConfig, cfg: ModelConfig, step: int, params, opt) -> None:
+def save_checkpoint(path: Path, tc: TrainConfig, identity: dict, step: int, params, opt) -> None:
     """Everything a resumed run needs (``step`` steps done)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(dict(version=CHECKPOINT_VERSION, train_config=dataclasses.asdict(tc),
-                    model_config=dataclasses.asdict(cfg), step=step,
+                    identity=identity, step=step,
                     params={n: t.detach().cpu() for n, t in params.items()},
                     optimizer=opt.state_dict()), path)  # fmt: skip
 
 
-def load_checkpoint(path: Path, tc: TrainConfig, cfg: ModelConfig, params, opt) -> int:
+def load_checkpoint(path: Path, tc: TrainConfig, identity: dict, params, opt) -> int:
     """Restores ``params`` and ``opt`` in place; returns the steps done. Raises `ValueError`
-    for a checkpoint of another run (training or model config)."""
+    for a checkpoint of another run (training config, model or target)."""
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     if ckpt.get("version") != CHECKPOINT_VERSION:
         raise ValueError(f"{path}: checkpoint version {ckpt.get('version')}")
     mine = dataclasses.asdict(tc)
     theirs = ckpt["train_config"]
-    if theirs != mine or ckpt["model_config"] != dataclasses.asdict(cfg):
+    if theirs != mine or ckpt["identity"] != identity:
         changed = sorted(k for k in mine if theirs.get(k) != mine[k])
         raise ValueError(f"{path}: a checkpoint of another run (differs in {changed or 'model'})")
     with torch.no_grad():
@@ -120,62 +158,96 @@ def load_checkpoint(path: Path, tc: TrainConfig, cfg: ModelConfig, params, opt) 
     return int(ckpt["step"])
 
 
+@dataclass(frozen=True)
+class Budget:
+    """When a run stops early or sets its steps: as `train`'s keyword arguments."""
+
+    checkpoint: Path | None = None
+    checkpoint_every: int = 500
+    resume: Path | None = None
+    max_minutes: float | None = None
+    budget_minutes: float | None = None
+    stop_at: int | None = None
+
+
+@dataclass(frozen=True)
+class StepsDone:
+    config: TrainConfig  # as run (``steps`` set by a time budget, if any)
+    steps_done: int
+    stopped_early: bool
+    wall_s: float
+    log: tuple[dict[str, float], ...]
+
+
+def run_steps(
+    tc: TrainConfig,
+    objective: Objective,
+    data: TokenData,
+    device: torch.device,
+    budget: Budget,
+    log: Callable[[str], None] = print,
+) -> StepsDone:
+    """The optimisation of ``objective`` on ``data``'s batches (``objective.params`` are
+    updated in place), with `train`'s checkpoints, time budget and stops."""
+    params = objective.params
+    opt = make_optimizer(params, tc)
+    resume = budget.resume
+    start = load_checkpoint(resume, tc, objective.identity, params, opt) if resume else 0
+    autocast = tc.bf16 and device.type == "cuda"
+    t0, t_calib, rows, stopped = time.perf_counter(), 0.0, [], False
+    step = start
+    while step < tc.steps:
+        if budget.budget_minutes is not None and start == 0 and step == CALIBRATION.stop:
+            _sync(device)
+            tc = _calibrated(tc, budget.budget_minutes, time.perf_counter() - t0, t_calib, log)
+        if step == CALIBRATION.start:
+            _sync(device)
+            t_calib = time.perf_counter()
+        limit = budget.max_minutes
+        over_time = limit is not None and time.perf_counter() - t0 > 60 * limit
+        if over_time or (budget.stop_at is not None and step >= budget.stop_at):
+            stopped = True
+            break
+        tokens = data.batch(tc.seed, step, tc.batch).to(device)
+        row = _step(tc, objective, opt, tokens, step, autocast)
+        if row is not None:
+            rows.append({"step": step, **{k: float(v) for k, v in row.items()}})
+            log(_progress(rows[-1], time.perf_counter() - t0, step - start + 1))
+        step += 1
+        if budget.checkpoint is not None and step % budget.checkpoint_every == 0:
+            save_checkpoint(budget.checkpoint, tc, objective.identity, step, params, opt)
+    if budget.checkpoint is not None:
+        save_checkpoint(budget.checkpoint, tc, objective.identity, step, params, opt)
+    return StepsDone(tc, step, stopped, time.perf_counter() - t0, tuple(rows))
+
+
 def train(
     tc: TrainConfig,
     corpus: Split,
     device: torch.device,
     *,
     model: ModelConfig | None = None,
-    checkpoint: Path | None = None,
-    checkpoint_every: int = 500,
-    resume: Path | None = None,
-    max_minutes: float | None = None,
-    budget_minutes: float | None = None,
-    stop_at: int | None = None,
     evaluate_at_end: bool = True,
     log: Callable[[str], None] = print,
+    **budget: Any,
 ) -> TrainResult:
-    """Trains ``model`` (default: the preset ``tc.preset``) on ``corpus.train``; evaluates
-    both splits at the end (the weights rounded as they are saved: bf16).
+    """Trains ``model`` (default: the preset ``tc.preset``, any preset the model supports,
+    V4.1 sharing included) on ``corpus.train``; evaluates both splits at the end (the weights
+    rounded as they are saved: bf16).
 
-    ``budget_minutes`` (a fresh run only): the number of steps is set from the speed of steps
-    `CALIBRATION` (during the warmup, whose learning rates do not depend on it), so the run is
-    exactly the run of ``steps=N`` (N is logged and kept in the checkpoint). ``max_minutes``:
-    a hard stop (checkpointed, resumable; `TrainResult.stopped_early`); ``stop_at``: the same
-    after that many steps (a run split into parts resumes exactly)."""
+    ``budget`` (`Budget`'s fields): ``checkpoint`` (every ``checkpoint_every`` steps and at
+    the end), ``resume`` (a checkpoint of the same run), ``budget_minutes`` (a fresh run
+    only): the number of steps is set from the speed of steps `CALIBRATION` (during the
+    warmup, whose learning rates do not depend on it), so the run is exactly the run of
+    ``steps=N`` (N is logged and kept in the checkpoint). ``max_minutes``: a hard stop
+    (checkpointed, resumable; `TrainResult.stopped_early`); ``stop_at``: the same after that
+    many steps (a run split into parts resumes exactly)."""
     torch.manual_seed(tc.seed)
     cfg = model or preset(tc.preset)
-    params = init_params(cfg, device)
-    opt = make_optimizer(params, tc)
-    start = load_checkpoint(resume, tc, cfg, params, opt) if resume else 0
+    objective = ModelObjective(cfg, tc, device)
     data = TokenData(corpus.train, tc.seq_len)
-    autocast = tc.bf16 and device.type == "cuda"
-    t0, t_calib, rows, stopped = time.perf_counter(), 0.0, [], False
-    step = start
-    while step < tc.steps:
-        if budget_minutes is not None and start == 0 and step == CALIBRATION.stop:
-            _sync(device)
-            tc = _calibrated(tc, budget_minutes, time.perf_counter() - t0, t_calib, log)
-        if step == CALIBRATION.start:
-            _sync(device)
-            t_calib = time.perf_counter()
-        over_time = max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes
-        if over_time or (stop_at is not None and step >= stop_at):
-            stopped = True
-            break
-        row = _step(tc, cfg, params, opt, data.batch(tc.seed, step, tc.batch).to(device),
-                    step, autocast)  # fmt: skip
-        if row is not None and (step % tc.log_every == 0 or step == tc.steps - 1):
-            rows.append({"step": step, **{k: float(v) for k, v in row.items()}})
-            log(_progress(rows[-1], time.perf_counter() - t0, step - start + 1))
-        step += 1
-        if checkpoint is not None and step % checkpoint_every == 0:
-            save_checkpoint(checkpoint, tc, cfg, step, params, opt)
-    done = step
-    if checkpoint is not None:
-        save_checkpoint(checkpoint, tc, cfg, done, params, opt)
-    wall = time.perf_counter() - t0
-    weights = rounded(cfg, params)
+    done = run_steps(tc, objective, data, device, Budget(**budget), log)
+    weights = rounded(cfg, objective.params)
     train_eval = heldout_eval = None
     if evaluate_at_end:
         train_eval = evaluate(weights, TokenData(corpus.train, tc.seq_len, device)
@@ -184,7 +256,8 @@ def train(
                                 .chunks(tc.eval_bytes))  # fmt: skip
         log(f"train:    {train_eval.line()}")
         log(f"held out: {heldout_eval.line()}")
-    return TrainResult(tc, weights, done, stopped, wall, train_eval, heldout_eval, tuple(rows))
+    return TrainResult(done.config, weights, done.steps_done, done.stopped_early, done.wall_s,
+                       train_eval, heldout_eval, done.log)  # fmt: skip
 
 
 def _sync(device: torch.device) -> None:
@@ -204,33 +277,29 @@ def _calibrated(tc: TrainConfig, minutes: float, elapsed: float, t_calib: float,
     return dataclasses.replace(tc, steps=steps)
 
 
-def _step(tc, cfg, params, opt, tokens, step: int, autocast: bool) -> dict | None:
-    """One optimiser step; the losses (as tensors) on the steps that are logged."""
+def _step(tc: TrainConfig, objective: Objective, opt, tokens, step: int, autocast: bool):
+    """One optimiser step; the logged values (tensors) on the steps that are logged."""
     for group in opt.param_groups:
         group["lr"] = tc.lr_at(step)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        out = train_forward(from_state_dict(cfg, params), tokens)
-        ls = losses(out, tokens, tc.mtp_weight, tc.aux_weight)
+        total, row = objective.loss(tokens)
     opt.zero_grad(set_to_none=True)
-    ls.total.backward()
-    norm = torch.nn.utils.clip_grad_norm_(list(params.values()), tc.grad_clip)
+    total.backward()
+    norm = torch.nn.utils.clip_grad_norm_(list(objective.params.values()), tc.grad_clip)
     opt.step()
     if step % tc.log_every and step != tc.steps - 1:
         return None
-    row = {"loss": ls.total, "bits_per_byte": ls.main / math.log(2), "grad_norm": norm,
-           "lr": torch.tensor(tc.lr_at(step))}  # fmt: skip
-    if ls.mtp is not None:
-        row["mtp_bits_per_byte"] = ls.mtp / math.log(2)
-    if ls.indexer_kl is not None:
-        row["indexer_kl"] = ls.indexer_kl
+    row = {"loss": total, **row, "grad_norm": norm, "lr": torch.tensor(tc.lr_at(step))}
     return {k: v.detach() for k, v in row.items()}
 
 
 def _progress(row: dict[str, float], elapsed: float, steps: int) -> str:
-    extra = "".join(f", {k} {row[k]:.3f}" for k in ("mtp_bits_per_byte", "indexer_kl") if k in row)
-    return (f"step {int(row['step'])}: loss {row['loss']:.4f}, {row['bits_per_byte']:.3f} "
-            f"bits/byte{extra}, grad {row['grad_norm']:.2f}, lr {row['lr']:.2e}, "
-            f"{elapsed / steps:.3f} s/step")  # fmt: skip
+    values = ", ".join(f"{k} {v:.3f}" for k, v in row.items()
+                       if k not in ("step", "loss", "grad_norm", "lr"))  # fmt: skip
+    return (
+        f"step {int(row['step'])}: loss {row['loss']:.4f}, {values}, grad "
+        f"{row['grad_norm']:.2f}, lr {row['lr']:.2e}, {elapsed / steps:.3f} s/step"
+    )
 
 
 def rounded(cfg: ModelConfig, params: dict[str, torch.Tensor], dtype=torch.bfloat16):
