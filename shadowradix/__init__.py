@@ -38,6 +38,17 @@ from .results import (
     StreamWrites,
     WindowSource,
 )
+from .transfer import export_layout, import_prefix, plan_import, release_layout
+from .transfer_layout import (
+    ImportPlan,
+    ImportReceipt,
+    ImportRefused,
+    PageMap,
+    PoolRegion,
+    PrefixLayout,
+    RefusalReason,
+    pool_regions,
+)
 
 __version__ = "0.1.0"
 
@@ -80,4 +91,17 @@ __all__ = [
     "VirtualPage",
     "WindowSource",
     "split_budget",
+    # prefix transfer between caches (transfer.py)
+    "ImportPlan",
+    "ImportReceipt",
+    "ImportRefused",
+    "PageMap",
+    "PoolRegion",
+    "PrefixLayout",
+    "RefusalReason",
+    "export_layout",
+    "import_prefix",
+    "plan_import",
+    "pool_regions",
+    "release_layout",
 ]
