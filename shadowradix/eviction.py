@@ -105,8 +105,8 @@ class EvictionPolicy:
             sparts.append(swa_pages)
             freed, swa, removed = freed + len(vpages), swa + len(swa_pages), removed + 1
         if removed:  # in eviction order, as if one by one (nothing reads the stacks meanwhile)
-            self._full.free(np.concatenate(vparts).tolist())
-            self._swa.free(np.concatenate(sparts).tolist())
+            self._full.free(_ids(vparts))
+            self._swa.free(_ids(sparts))
         total = self._evicted_pages
         total[0], total[1], total[2] = total[0] + freed, total[1] + swa, total[2] + removed
         return EvictionReport(freed, swa, removed, 0)
@@ -125,7 +125,7 @@ class EvictionPolicy:
             parts.append(tree.tombstone(node, min(avail, num_pages - freed)))
             freed, tombstoned = freed + len(parts[-1]), tombstoned + 1
         if parts:
-            self._swa.free(np.concatenate(parts).tolist())
+            self._swa.free(_ids(parts))
         total = self._evicted_pages
         total[1], total[3] = total[1] + freed, total[3] + tombstoned
         return EvictionReport(0, freed, 0, tombstoned)
@@ -187,3 +187,8 @@ class EvictionPolicy:
         if targets[1] < self.config.window_pages + 1:
             raise ConfigError("swa capacity must hold at least one request's window")
         return targets[0], targets[1]
+
+
+def _ids(parts: list[np.ndarray]) -> list[int]:
+    """The page ids of ``parts`` in order, as one list (no concatenation for a single part)."""
+    return parts[0].tolist() if len(parts) == 1 else np.concatenate(parts).tolist()

@@ -193,8 +193,9 @@ class RadixTree:
 
     def tombstone(self, node: Node, num_pages: int) -> np.ndarray:
         """Drop the SWA of the ``num_pages`` oldest live pages; the node stays matchable."""
-        lf = node.live_from
-        freed, node.swa_pages = node.swa_pages[:num_pages], node.swa_pages[num_pages:]
+        swa = node.swa_pages
+        lf = len(node.vpages) - len(swa)  # node.live_from
+        freed, node.swa_pages = swa[:num_pages], swa[num_pages:]
         if self.events is not None:
             self.events.tombstoned(node.vpages[lf : lf + len(freed)], freed, node.start_page + lf)
         self.version += 1

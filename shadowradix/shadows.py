@@ -174,14 +174,15 @@ class Shadows:
         vtab = page_array(run.vpages)
         stab = page_array(run.swa_pages)
         keep = None  # page 1: ring_len is 1, every row is the last of its page and kept
-        if p == 1:
+        if p == 1:  # a slot a page and ring_len 1: the slots and ring rows are the page ids
             vslots, spages = vtab.copy(), stab[start - run.swa_first :]  # vtab may be read-only
+            rows = (spages,) * len(self.config.streams)
         else:
             page = pos >> shift
             vslots = slots.page_slot(vtab[page - (start >> shift)], pos, p)
             spages = stab[page - run.swa_first]
             keep = pos >= np.minimum((page + 1) * p, end) - self._ring_len_col
-        rows = slots.ring_row(spages, pos, self._ring_len_col)
+            rows = slots.ring_row(spages, pos, self._ring_len_col)
         streams = []
         for i, s in enumerate(self.config.streams):
             if keep is None or keep[i].all():
@@ -192,12 +193,13 @@ class Shadows:
             entries = carry = (_EMPTY, _EMPTY, _EMPTY)
             if g1 > g0 and not replay:
                 groups = np.arange(g0, g1, dtype=I64)
-                ends = slots.group_end(groups, s.ratio)
+                e0, e1 = slots.group_end(g0, s.ratio), slots.group_end(g1, s.ratio)
+                ends = np.arange(e0, e1, s.ratio, dtype=I64)  # group_end(groups)
                 first = first_inflight(start, s)
                 cpos = np.arange(first, start, dtype=I64)
                 if p == 1:  # one slot and one ring row a page: the formulas are the page ids
-                    entry_slots = vslots[ends - start]
-                    crows = stab[cpos - run.swa_first]
+                    entry_slots = vslots[e0 - start : e1 - start : s.ratio].copy()
+                    crows = stab[first - run.swa_first : start - run.swa_first]
                 else:
                     entry_slots = compressed_slots(vslots[ends - start], ends, s)
                     crows = ring_rows(stab[(cpos >> shift) - run.swa_first], cpos, s)

@@ -143,6 +143,9 @@ def window_first_page(
 ) -> Ints:
     """The first page of the window at ``length`` (page 0 when it reaches before position 0):
     the SWA pages a request or a match must hold from."""
+    if xp is None:  # ints: the same, without the calls (the core's per-request hot path)
+        first = length - window
+        return first >> (page_size.bit_length() - 1) if first > 0 else 0
     return page_of(clamp_low(window_first(length, window), xp), page_size)
 
 
