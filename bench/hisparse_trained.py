@@ -150,13 +150,26 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--buffers", default="33,48,64,96")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--chunk-tokens", type=int, default=512)
+    ap.add_argument("--compile-watch", action="store_true",
+                    help="report every Triton compile of the run (CUDA)")  # fmt: skip
     ap.add_argument("--json", help="write the report here")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    watch = None
+    if args.compile_watch:
+        from bench.compile_watch import CompileWatch
+
+        watch = CompileWatch.install()
     report = run(args)
+    if watch is not None:
+        report["compiles"] = [list(e) for e in watch.events]
+        total = sum(e[3] for e in watch.events)
+        print(f"# {len(watch.events)} Triton compiles, {total:.1f} s compiling")
+        for at, name, text, took in watch.events[:40]:
+            print(f"#   {at:7.1f} s  {took:5.2f} s  {name}  {text[:100]}")
     print(table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
