@@ -61,6 +61,10 @@ SPARSE_KERNELS = True
 #: to `kernels.hc`; ``ADAPTERS_HC_KERNELS=0`` (or False at run time) keeps the torch references.
 HC_KERNELS = os.environ.get("ADAPTERS_HC_KERNELS", "1") != "0"
 
+#: Route RoPE and RMSNorm (`adapters.model.ops.rope`, `adapters.model.ops.rms_norm`) on CUDA to
+#: `kernels.rope`; ``ADAPTERS_ROPE_KERNELS=0`` (or False at run time) keeps the torch chains.
+ROPE_KERNELS = os.environ.get("ADAPTERS_ROPE_KERNELS", "1") != "0"
+
 #: Store FP8 pool rows on CUDA with the fused quantiser (`kernels.quantize.fp8_store`);
 #: False keeps `formats.write_rows`' torch chain (the same bytes: benchmarks time both).
 QUANTIZE_KERNEL = True

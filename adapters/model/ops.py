@@ -13,7 +13,30 @@ from adapters.model.sink import acc_dtype, sink_attention  # noqa: F401 - re-exp
 from adapters.model.weights import Compressor, HyperConnection
 
 
+def _fused(*tensors: torch.Tensor) -> bool:
+    """Whether RoPE / RMSNorm on ``tensors`` go to `adapters.kernels.rope` (CUDA, not fp64,
+    nothing for autograd to differentiate: the kernels have no backward)."""
+    from adapters import kernels
+
+    t = tensors[0]
+    if not (kernels.ROPE_KERNELS and kernels.use_triton(t) and t.dtype != torch.float64):
+        return False
+    return not (torch.is_grad_enabled() and any(u.requires_grad for u in tensors))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the last dimension: one launch on CUDA (`kernels.rope.flash_rms_norm`), else
+    `rms_norm_reference`."""
+    if _fused(x, weight):  # pragma: no cover - needs a GPU
+        from adapters.kernels.rope import flash_rms_norm
+
+        out = flash_rms_norm(x, weight, eps)
+        if out is not None:
+            return out
+    return rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.to(acc_dtype(x))
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * weight.to(y.dtype)).to(x.dtype)
@@ -31,7 +54,26 @@ def rope(
     """Rotates the last ``rope_dim`` channels of ``x`` (shape ``(N, ..., dim)``) by the angle of
     ``positions`` (shape ``(N,)``); ``inverse`` undoes it. ``inplace`` writes them into ``x``
     and returns it (the same values; for a fresh ``x`` nothing else reads: it saves copying
-    the other channels, which are most of a query)."""
+    the other channels, which are most of a query). One launch on CUDA
+    (`kernels.rope.flash_rope`), else `rope_reference`."""
+    if _fused(x):  # pragma: no cover - needs a GPU
+        from adapters.kernels.rope import flash_rope
+
+        out = flash_rope(x, positions, rope_dim, theta, inverse, inplace)
+        if out is not None:
+            return out
+    return rope_reference(x, positions, rope_dim, theta, inverse, inplace=inplace)
+
+
+def rope_reference(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    rope_dim: int,
+    theta: float,
+    inverse: bool = False,
+    *,
+    inplace: bool = False,
+) -> torch.Tensor:
     half = rope_dim // 2
     dt = acc_dtype(x)
     freqs = theta ** (-torch.arange(half, device=x.device, dtype=dt) / half)
