@@ -1,22 +1,50 @@
-"""One forward over the pools, a role of `Runner`: the step built from the cache's plans and
-executed (paged, tail-only or with the MTP layer's state), timed into the runner's stats."""
+"""The paged forward over the pools, held by the model runner: the step built from the core's
+plans and executed (paged, tail-only or with the MTP layer's state), timed into the runner's
+stats. It keeps each request's main hidden state at its last computed row for MTP drafts
+(`_Seq.hidden`, `step_hidden`)."""
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from adapters.engine.runner_base import RunnerBase
+from adapters.engine.runner_stats import RunnerStats
 from adapters.engine.sequence import _Seq
 from adapters.forward.mtp import resume_hidden, run_step_mtp
 from adapters.forward.paged import build_step, run_step, run_tail_only_step
-from shadowradix import ReadPlan
+from adapters.memory.pools import KVPools
+from adapters.model.weights import ModelWeights
+from shadowradix import ReadPlan, ShadowRadixCache
+
+if TYPE_CHECKING:
+    from adapters.memory.offload import C4Offload
 
 
-class Forward(RunnerBase):
-    """The runner's paged forward and the MTP hidden state it keeps."""
+class Forward:
+    """One paged forward over ``pools`` (``offload``: the HiSparse executor, or None);
+    ``tail_only`` runs chunks longer than the window tail-only, ``mtp`` keeps the MTP layer's
+    state. Reads the cache's plans, never changes the cache."""
+
+    def __init__(
+        self,
+        cache: ShadowRadixCache,
+        weights: ModelWeights,
+        pools: KVPools,
+        offload: C4Offload | None,
+        stats: RunnerStats,
+        *,
+        device: torch.device,
+        tail_only: bool,
+        mtp: bool,
+    ) -> None:
+        self.cache, self.weights, self.pools, self.offload = cache, weights, pools, offload
+        self.model, self.device, self.stats = weights.config, device, stats
+        self.tail_only, self.mtp = tail_only, mtp
+        #: every row's main hidden state of the last forward (MTP drafts only)
+        self.step_hidden: torch.Tensor | None = None
 
     def _forward(
         self,
@@ -26,10 +54,12 @@ class Forward(RunnerBase):
         rows: list[int],
         plans: list[ReadPlan] | None = None,
     ):
-        """Logits of the flat token ``rows`` of one forward over ``chunks``. A tail-only runner
-        runs chunks longer than the window tail-only (``rows`` are then chunk ends). With the MTP
-        layer kept, also its state, and each request's hidden state at its chunk's end (every
-        row's in ``_step_hidden``)."""
+        """Logits of the flat token ``rows`` of one forward over ``chunks`` (``alloc``: their
+        step plan; ``plans``: the windows they read, default each request's from its chunk's
+        start). A tail-only runner runs chunks longer than the window tail-only (``rows`` are
+        then chunk ends). With the MTP layer kept, also its state, and each request's hidden
+        state at its chunk's end (every row's in ``step_hidden``). The name is the seam tests
+        wrap (`Runner._forward`)."""
         t0 = time.perf_counter()
         if plans is None:
             plans = [self.cache.read_plan(s.req, start=st) for s, st in zip(seqs, alloc.starts)]
@@ -43,7 +73,7 @@ class Forward(RunnerBase):
             rows = np.searchsorted(tail_rows, rows).tolist()  # chunk ends are tail rows
         logit_rows = torch.tensor(rows, device=self.device, dtype=torch.long)
         t1 = time.perf_counter()
-        if self._mtp:  # never tail-only (refused at construction)
+        if self.mtp:  # never tail-only (refused at construction)
             logits = self._forward_mtp(seqs, chunks, alloc, step, logit_rows)
         elif tail_rows is None:
             logits = run_step(self.weights, self.pools, step, logit_rows, self.offload)
@@ -70,7 +100,7 @@ class Forward(RunnerBase):
         return np.concatenate([np.arange(e - k, e) for e, k in zip(ends, keep)])
 
     def _forward_mtp(self, seqs: list[_Seq], chunks: list[list[int]], alloc, step, logit_rows):
-        prev = torch.stack([self._hidden_of(s, start) for s, start in zip(seqs, alloc.starts)])
+        prev = torch.stack([self.hidden_of(s, start) for s, start in zip(seqs, alloc.starts)])
         first = np.cumsum([0] + [len(c) for c in chunks[:-1]])
         logits, hidden = run_step_mtp(
             self.weights,
@@ -84,10 +114,10 @@ class Forward(RunnerBase):
         ends = torch.from_numpy(np.cumsum([len(c) for c in chunks]) - 1).to(self.device)
         for s, h in zip(seqs, hidden[ends]):  # a copy: the step's (N, D) tensor is not kept
             s.hidden = (s.req, h)
-        self._step_hidden = hidden
+        self.step_hidden = hidden
         return logits
 
-    def _hidden_of(self, seq: _Seq, start: int | None = None) -> torch.Tensor:
+    def hidden_of(self, seq: _Seq, start: int | None = None) -> torch.Tensor:
         """The main hidden state before ``start`` (default: the request's length): kept from
         the request's last forward, or read from the pools when it resumes on a prefix hit."""
         req = seq.req

@@ -1,5 +1,7 @@
-"""Overlap scheduling, a role of `Runner`: the host schedules decode step N+1 (admission, the
-cache's bookkeeping, the page-table upload) while the device runs step N.
+"""Overlap scheduling: the host schedules decode step N+1 (admission, the cache's bookkeeping,
+the page-table upload) while the device runs step N. `OverlapDecode` is the runner's decode
+phase when it overlaps; it holds the scheduler, the model runner and emission, and the step in
+flight.
 
 One call of `Runner.step` with step N in flight::
 
@@ -17,27 +19,28 @@ enters another step; its result is returned when that token is read back.
 What runs serialised: a decode step with a non-greedy request (its sampler draws on the host),
 or with ``on_logits`` set (it reads the logits) — the step in flight is resolved first
 (`RunnerStats.serialised_steps`); prefill forwards (they sample on the host). Preempting a
-request of the step in flight resolves that step first (`_requeue`), so the victim requeues
-with its last token (or finishes, if that token was its stop token)."""
+request of the step in flight resolves that step first (the scheduler's ``settle`` port:
+`settle_for_preemption`), so the victim requeues with its last token (or finishes, if that
+token was its stop token)."""
 
 from __future__ import annotations
 
 import time
 
-from adapters.engine.admission import Admission
 from adapters.engine.emission import _PROPAGATED, Emission
-from adapters.engine.forward import Forward
 from adapters.engine.inflight import InFlightStep, input_tokens
+from adapters.engine.model_runner import ModelRunner
+from adapters.engine.runner_stats import RunnerStats
+from adapters.engine.scheduler import Scheduler
 from adapters.engine.sequence import FailureStage, GenerationResult, _Seq
-from adapters.engine.speculative import SpeculativeDecoder
 from adapters.forward.graph_decode import GraphDecoder
-from shadowradix import CapacityError, PageTableDelta, StepPlan
+from shadowradix import StepPlan
 
 
 def check_overlap(
     overlap: bool | None,
     decoder: GraphDecoder | None,
-    spec: SpeculativeDecoder | None,
+    spec: object | None,
     offload: object | None,
 ) -> bool:
     """Whether a runner schedules with overlap: by default where decode replays CUDA graphs;
@@ -56,55 +59,65 @@ def check_overlap(
     return overlap
 
 
-class Overlap(Admission, Forward, Emission):
-    """The runner's overlapped decode step and the settling of the step before it."""
+class OverlapDecode:
+    """The overlapped decode step and the settling of the step before it."""
 
-    def _overlappable(self, seqs: list[_Seq]) -> bool:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        model_runner: ModelRunner,
+        emission: Emission,
+        stats: RunnerStats,
+    ) -> None:
+        self.scheduler, self.model_runner, self.emission = scheduler, model_runner, emission
+        self.stats = stats
+        self._inflight: InFlightStep | None = None
+        scheduler.settle = self.settle_for_preemption
+
+    @property
+    def inflight(self) -> InFlightStep | None:
+        """The decode step launched and not yet read back (the scheduler sees it too)."""
+        return self._inflight
+
+    @inflight.setter
+    def inflight(self, step: InFlightStep | None) -> None:
+        self._inflight = self.scheduler.inflight = step
+
+    def overlappable(self, seqs: list[_Seq]) -> bool:
         """Whether this decode batch can run overlapped (greedy rows, nothing reads logits)."""
-        return self.on_logits is None and all(s.sampler.greedy for s in seqs)
+        return self.emission.on_logits is None and all(s.sampler.greedy for s in seqs)
 
-    def _decode_overlapped(self, batch: list[_Seq]) -> list[GenerationResult]:
+    def decode(self, batch: list[_Seq]) -> list[GenerationResult]:
         """Launches the decode step of ``batch``, then resolves the step in flight; returns
         what that finished. A launch that raises fails ``batch``'s requests only, after the
         step in flight is resolved (their tokens from it are kept)."""
-        prev = self._inflight
+        prev = self.inflight
         try:
-            seqs, plan = self._extend_pending(batch)
+            seqs, plan = self.scheduler.extend_pending(batch)
             step = self._launch(seqs, plan, prev) if plan is not None else None
         except _PROPAGATED:
             raise
         except Exception as exc:
             return self._failed_launch(batch, prev, exc)
-        self._inflight = step
+        self.inflight = step
         done = self._resolve(prev) if prev is not None else []
         if step is not None:
             self._commit(step)
         return done
 
-    def _settle_inflight(self) -> list[GenerationResult]:
+    def settle(self) -> list[GenerationResult]:
         """Resolves the step in flight, if any (a serialised step, or nothing left to launch)."""
-        return self._resolve(self._inflight) if self._inflight is not None else []
+        return self._resolve(self.inflight) if self.inflight is not None else []
 
-    def _extend_pending(self, seqs: list[_Seq]) -> tuple[list[_Seq], StepPlan | None]:
-        """`extend_pending_batch` that makes room as `Admission._extend` does (`_yield_room`)
-        until it fits."""
-        while True:
-            live = [s for s in seqs if s.request is not None]
-            if not live:
-                return [], None
-            try:
-                return live, self.cache.extend_pending_batch([s.req for s in live])
-            except CapacityError as err:
-                self._yield_room(err)
+    def settle_for_preemption(self) -> None:
+        """`settle`, its results kept for the step that preempts (`Emission.salvaged`)."""
+        self.emission.salvaged += self.settle()
 
     def _launch(self, seqs: list[_Seq], plan: StepPlan, prev: InFlightStep | None) -> InFlightStep:
         """Queues the decode forward of ``seqs`` and its greedy sampling on the device; no
         synchronisation (``forward_s`` counts the host time of the launch only)."""
-        assert self.decoder is not None
         t0 = time.perf_counter()
-        tokens = input_tokens(seqs, prev)
-        deltas = self._take_table_deltas() + list(plan.deltas)
-        logits = self.decoder.step([s.req for s in seqs], tokens, deltas)
+        logits = self.model_runner.launch(seqs, input_tokens(seqs, prev), plan)
         step = InFlightStep(seqs, logits.argmax(dim=-1))
         self.stats.forward_s += time.perf_counter() - t0
         self.stats.decode_tokens += len(seqs)
@@ -118,8 +131,8 @@ class Overlap(Admission, Forward, Emission):
             return []
         tokens = step.copy.values()
         step.resolved = True
-        if self._inflight is step:
-            self._inflight = None
+        if self.inflight is step:
+            self.inflight = None
         done = []
         for seq, token, closing in zip(step.seqs, tokens, step.closing):
             if closing:
@@ -138,10 +151,10 @@ class Overlap(Admission, Forward, Emission):
         if seq.params.stop_token is None or token != seq.params.stop_token:
             return []
         if seq.req.num_draft:
-            self.cache.drop_pending(seq.req)
+            self.scheduler.cache.drop_pending(seq.req)
             self.stats.late_stop_tokens += 1
         res.finish_reason = "stop"
-        self._finish(seq)
+        self.scheduler.finish(seq)
         return [res]
 
     def _closed_result(self, seq: _Seq, token: int) -> GenerationResult:
@@ -160,11 +173,11 @@ class Overlap(Admission, Forward, Emission):
         for row, seq in enumerate(step.seqs):
             if seq.request is None:  # stopped one step earlier: its row is ignored
                 continue
-            changes = self.cache.resolve_pending(seq.req, seq.result.output[-1])
-            self._table_deltas += changes.deltas
+            changes = self.scheduler.cache.resolve_pending(seq.req, seq.result.output[-1])
+            self.model_runner.note(changes.deltas)
             if len(seq.result.output) + 1 >= seq.params.max_new_tokens:
                 seq.result.approximate |= seq.req.approximate
-                self._finish(seq)
+                self.scheduler.finish(seq)
                 step.closing[row] = True
 
     def _failed_launch(
@@ -172,26 +185,10 @@ class Overlap(Admission, Forward, Emission):
     ) -> list[GenerationResult]:
         """``batch``'s launch raised ``exc``: the step in flight is resolved first (its tokens,
         and its stops, as without overlap), then the requests of ``batch`` still running fail
-        (`Emission._isolated`: their pending tokens are freed with them)."""
-        self._inflight = None
+        (`Emission.isolated`: their pending tokens are freed with them)."""
+        self.inflight = None
         done = self._resolve(prev) if prev is not None else []
         running = [s for s in batch if s.request is not None]
-        with self._isolated(running, FailureStage.DECODE):
+        with self.emission.isolated(running, FailureStage.DECODE):
             raise exc
         return done
-
-    def _requeue(self, victim: _Seq) -> None:
-        """Preempts ``victim`` (`Admission._requeue`); a row of the step in flight is read back
-        first, so that it requeues with its last token, or finishes if that was its stop."""
-        step = self._inflight
-        if step is not None and step.row_of(victim) is not None:
-            self._salvaged += self._resolve(step)
-            if victim.request is None:
-                return
-        super()._requeue(victim)
-
-    def _take_table_deltas(self) -> list[PageTableDelta]:
-        """The table changes of decoding requests since the last decode step (their pending
-        tokens' commits), for the graph decoder's device tables."""
-        out, self._table_deltas = self._table_deltas, []
-        return out

@@ -1,26 +1,18 @@
 """Continuous-batching runner: chunked prefill, batched decode, prefix reuse, preemption.
 
-One step = at most one prefill forward (chunks of several requests, ``chunk_tokens`` in all)
-plus one decode forward (every request in its decode phase, one token each). The cache plans
-every slot; the runner only schedules, executes the plans on the pools and samples.
+One step is the loop of three parts that call nothing back (docs/runner.md, "The engine")::
 
-Pool exhaustion never crashes a step: when an extend raises `CapacityError`, a running request
-(the lowest priority, then the most recently admitted) is preempted (its cache request aborted,
-its tokens requeued at its rank, recomputed later with whatever prefix is still cached) and the
-extend is retried. Waiting requests are admitted by priority, then longest cached prefix first
-(or arrival order: ``schedule``). A forward that raises finishes its own requests with an error
-result; the others go on.
+    schedule   `Scheduler` (torch-free): admission, preemption, chunk budgeting
+               (`chunks.StepBudget`); every extend gives a frozen `ScheduledBatch`
+    execute    `ModelRunner`: the batch on the pools (paged, tail-only, graph decode / verify)
+    postprocess `Emission`: sampling, appending, finishing; failure isolation
 
-With ``CacheConfig(bounded_replay=True)`` a hit whose window was tombstoned is served by
-encoder-side replay (docs/replay.md): the window rebuild the core plans at admission runs
-before the request's first prefill chunk, within the step's token budget, and every result
-that read replay-derived state is flagged ``approximate``.
-
-`Runner` is made of its roles, one module each, over the fields `runner_base` declares:
-`admission` (submission checks, admission control, preemption, the HiSparse fit), `prefill`
-(replays and prompt chunks), `decode` (one token per decoding request), `forward` (one paged
-forward over the pools) and `emission` (sampling and finishing). This module builds it and
-holds its public face: `submit`, `step`, `run`, `generate`, `take_finished`.
+at most one replay and one prefill forward (chunks of several requests, ``chunk_tokens`` in
+all), then one decode forward (every request in its decode phase, one token each): plain,
+overlapped with the next step's scheduling (`OverlapDecode`) or speculative (the decode
+strategy `SpeculativeDecoder` proposes and judges; the loop extends, executes, rolls back and
+emits). The cache plans every slot; pool exhaustion preempts, never crashes a step; a forward
+that raises finishes its own requests with an error result.
 """
 
 from __future__ import annotations
@@ -30,23 +22,43 @@ from collections.abc import Callable, Sequence
 import torch
 
 from adapters import kernels
-from adapters.engine.admission import UnsupportedRequestError, check_priority
-from adapters.engine.decode import Decode
-from adapters.engine.overlap import check_overlap
-from adapters.engine.prefill import Prefill
+from adapters.engine.batch import BatchKind
+from adapters.engine.build import (
+    check_chunk,
+    check_hisparse,
+    check_mtp,
+    check_speculation,
+    check_tail_only,
+    make_model_runner,
+    make_offload,
+    make_speculation,
+)
+from adapters.engine.chunks import StepBudget
+from adapters.engine.drafts import DraftSource
+from adapters.engine.emission import Emission
+from adapters.engine.forward import Forward
+from adapters.engine.overlap import OverlapDecode, check_overlap
 from adapters.engine.runner_stats import ExecutionPaths, RunnerStats
 from adapters.engine.sampling import Sampler, SamplingParams
+from adapters.engine.scheduler import Scheduler, SchedulerConfig
+from adapters.engine.seams import Through
 from adapters.engine.sequence import FailureStage, GenerationResult, RequestFailure, _Seq
-from adapters.engine.speculative import DraftSource, MTPDraft, SpeculativeDecoder
-from adapters.engine.waiting import SchedulePolicy, WaitingQueue
-from adapters.forward.graph_decode import GraphDecoder
+from adapters.engine.submission import (
+    SubmissionRules,
+    UnsupportedRequestError,
+    check_priority,
+    per_prompt,
+    refused,
+)
+from adapters.engine.waiting import SchedulePolicy
 from adapters.forward.memory_plan import prefill_budget
 from adapters.memory.device import check_pools_fit, resolve_device
 from adapters.memory.formats import CacheFormat
+from adapters.memory.pool_resize import apply_rebalance
 from adapters.memory.pools import KVPools, pool_bytes
 from adapters.model.model_config import ModelConfig
 from adapters.model.weights import ModelWeights, init_weights
-from shadowradix import CacheConfig, InvalidRequestError, ShadowRadixCache
+from shadowradix import CacheConfig, InvalidRequestError, RebalanceReport, ShadowRadixCache
 
 __all__ = [
     "FailureStage",
@@ -59,64 +71,33 @@ __all__ = [
 ]
 
 
-class Runner(Prefill, Decode):
-    """Runs the embedded model over a `ShadowRadixCache`.
+class Runner:
+    """Runs the embedded model over a `ShadowRadixCache` (docs/runner.md has each mode).
 
-    ``chunk_tokens``: prefill tokens per step. ``max_running``: decode batch bound. Raises
-    ``graph_decode``: decode through `GraphDecoder` (slots computed on the device from raw
-    batch state, CUDA graphs on GPU); default on CUDA. Otherwise decode runs the general paged
-    path like prefill. Raises `ValueError` for a cache config that does not match the model or
-    a chunk the SWA pool cannot hold, and `DeviceError` for an unusable device.
+    ``chunk_tokens``: prefill tokens per step. ``max_running``: decode batch bound.
+    ``graph_decode``: decode through `GraphDecoder` (slots computed on the device, CUDA graphs
+    on GPU; default on CUDA), else the paged path. ``cache_config.bounded_replay``: hits with
+    a tombstoned window served by encoder-side replay (approximate, flagged; not with
+    speculation). ``hisparse_pages``: the C4 KV in a host mirror with a device buffer of this
+    many pages per C4 layer (`C4Offload`; no graph decode). ``tail_only``: decoder-side
+    tail-only prefill (docs/sharing.md; needs layers after the last KV source; no prompt
+    logprobs: `UnsupportedRequestError`). ``speculative_tokens=k``: every decode step
+    verifies ``k`` drafts per request (docs/speculative.md) from ``draft`` (default
+    `MTPDraft`); needs ``CacheConfig(speculative=True)``, ``k + 1 <= max_draft_len``, an SWA
+    pool for ``k + 1`` tokens plus the window, no HiSparse; with ``graph_decode`` verify runs
+    through `GraphVerifier`. ``memory_budget``: transient device bytes a step may use beyond
+    pools and weights (default on CUDA: 85 % of what is free once they are allocated); a
+    request whose one-token step cannot fit is refused at `submit` (`MemoryBudgetError`).
+    ``schedule``: the admission order after priority, `SchedulePolicy.LPM` (longest cached
+    prefix first) or `SchedulePolicy.FCFS`. ``overlap``: the host schedules decode step N+1
+    while the device runs step N (`OverlapDecode`; default with CUDA graphs; needs the graph
+    decoder). ``index_format`` / ``swa_format``: cache formats (docs/formats.md).
+    ``on_logits`` (attribute): called with the results and logits rows of every sampling step.
 
-    ``cache_config.bounded_replay``: hits with a tombstoned window are served by encoder-side
-    replay (approximate; flagged in results and stats). It combines with graph decode and
-    HiSparse; the core refuses it together with speculation (`ConfigError`).
-
-    ``on_logits`` (attribute, default ``None``): called with the results and the logits rows of
-    every sampling step, before sampling (benchmarks measure divergence with it).
-
-    ``hisparse_pages``: keep the C4 KV in a host mirror with a device buffer of this many pages
-    per C4 layer (`C4Offload`, planned by `hisparse.Coordinator`). Decode then runs the paged
-    path (the plan needs the indexer's top-k on the host mid-forward, which a CUDA graph
-    cannot do): ``graph_decode=True`` with HiSparse raises `ValueError`.
-
-    ``tail_only``: decoder-side tail-only prefill (V4.1, an approximation; docs/sharing.md):
-    in every prefill forward the layers after the model's last KV-source layer compute only the
-    last ``window`` tokens of each request's chunk. Needs cross-layer sharing with layers after
-    the last KV source (`ValueError` otherwise); results that may differ from an exact run are
-    flagged ``approximate``; requests asking for prompt logprobs raise
-    `UnsupportedRequestError`.
-
-    ``speculative_tokens=k``: every decode step verifies ``k`` drafted tokens per request in one
-    forward (docs/speculative.md); ``draft`` proposes them (default: the model's MTP layer,
-    `MTPDraft`). Needs ``CacheConfig(speculative=True)`` with ``k + 1 <= max_draft_len``, an
-    SWA pool that holds ``k + 1`` tokens plus the window, greedy requests only, and no HiSparse
-    (`ValueError` otherwise). With ``graph_decode`` the verify
-    steps run through `GraphVerifier`.
-
-    ``memory_budget``: transient device bytes a forward step may use beyond the pools and the
-    weights (`memory_plan.StepMemory`); every prefill step is sized to it. Default: on CUDA,
-    85 % of the memory free once pools, weights and graph buffers are allocated; elsewhere no
-    budget. A request whose one-token step would not fit is refused at `submit`
-    (`MemoryBudgetError`, nothing queued).
-
-    ``schedule``: the order waiting requests are admitted in, after their priority
-    (`submit`'s ``priority``: higher first): `SchedulePolicy.LPM` (default) the longest cached
-    prefix first, `SchedulePolicy.FCFS` arrival order (`waiting.WaitingQueue`). When memory
-    runs out the lowest-priority, most recently admitted request is preempted; a waiting
-    request preempts lower-priority running ones for room, never one of its priority or higher.
-
-    A forward that raises fails only its own requests: they finish with
-    ``finish_reason="error"`` and a `RequestFailure` (the exception, typed), their cache state
-    released, and `step` / `run` / `generate` return as usual (`Emission._isolated`).
-
-    ``overlap``: the host schedules decode step N+1 while the device runs step N (`Overlap`;
-    default: with CUDA graphs); needs the graph decoder (`ValueError` with speculation,
-    HiSparse or ``graph_decode=False``); `paths` names it.
-
-    ``index_format`` / ``swa_format``: the cache format of the C4 indexer keys / of the window
-    KV (`formats.CacheFormat.FP8`: e4m3 with a power-of-two scale per row, about half the
-    bytes; docs/formats.md)."""
+    Raises `ValueError` for a combination it cannot run, a cache config that does not match
+    the model or a chunk the SWA pool cannot hold, `DeviceError` for an unusable device,
+    `PoolMemoryError` for pools larger than its free memory. A forward that raises fails only
+    its own requests (`Emission.isolated`)."""
 
     def __init__(
         self,
@@ -140,81 +121,87 @@ class Runner(Prefill, Decode):
     ) -> None:
         self.device = resolve_device(device)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        p = cache_config.page_size
-        if chunk_tokens < 1 or max_running < 1:
-            raise ValueError("chunk_tokens and max_running must be >= 1")
-        swa_need = chunk_tokens + cache_config.window + 2 * p
-        if swa_need > cache_config.swa_capacity:
-            raise ValueError(
-                f"SWA pool of {cache_config.swa_capacity} tokens cannot hold a {chunk_tokens}-token"
-                f" chunk plus its window (needs {swa_need}); lower chunk_tokens"
-            )
-        self.model, self.tail_only = model, _check_tail_only(model, tail_only)
+        check_chunk(cache_config, chunk_tokens, max_running)
+        self.model, self.tail_only = model, check_tail_only(model, tail_only)
         need = pool_bytes(model, cache_config, dtype, index_format, swa_format)
         check_pools_fit(need, self.device)  # before the cache's page lists and the pools
         self.cache = ShadowRadixCache(cache_config)
-        if hisparse_pages is not None and graph_decode:
-            raise ValueError("HiSparse plans on the host mid-forward: no graph decode with it")
-        draft = _check_speculation(model, cache_config, speculative_tokens, draft, hisparse_pages)
-        self._mtp = draft is not None and draft.uses_mtp
-        if self._mtp and tail_only:
-            raise ValueError(
-                "MTP drafts with tail-only prefill are not supported: the MTP layer reads the "
-                "main model's hidden state at every prompt position (use another draft source)"
-            )
+        check_hisparse(model, hisparse_pages, graph_decode)
+        draft = check_speculation(model, cache_config, speculative_tokens, draft, hisparse_pages)
+        mtp = draft is not None and draft.uses_mtp
+        check_mtp(mtp, tail_only)
         self.pools = KVPools(
-            model,
-            cache_config,
-            self.device,
-            dtype,
-            offload_c4=hisparse_pages is not None,
-            track_late_swa=tail_only,
-            mtp=self._mtp,
-            index_format=index_format,
-            swa_format=swa_format,
-        )
-        self.offload = None
-        if hisparse_pages is not None:
-            from adapters.memory.offload import C4Offload
-
-            self.offload = C4Offload(
-                model, cache_config, self.device, dtype, hisparse_pages, cache_config.debug,
-                events=self.cache.subscribe_events(),  # its own queue: take_events is untouched
-            )  # fmt: skip
-            graph_decode = False
-            if hisparse_pages < model.index_topk + 1:
-                raise ValueError(
-                    f"hisparse_pages={hisparse_pages} cannot hold one query's top-"
-                    f"{model.index_topk} pages plus the page it writes"
-                )
-        self._device_pages = hisparse_pages or 0
+            model, cache_config, self.device, dtype, offload_c4=hisparse_pages is not None,
+            track_late_swa=tail_only, mtp=mtp, index_format=index_format, swa_format=swa_format,
+        )  # fmt: skip
+        self.offload = make_offload(self.cache, model, self.device, dtype, hisparse_pages)
         self.weights = weights or init_weights(model, self.device, dtype)
         self.chunk_tokens, self.max_running = chunk_tokens, max_running
+        self.spec_tokens = speculative_tokens or 0
         self.stats = RunnerStats()
         if graph_decode is None:
-            graph_decode = self.device.type == "cuda"
-        self.decoder = (
-            GraphDecoder(
-                self.weights, self.pools, cache_config, max_running, cache_config.full_capacity
-            )
-            if graph_decode and draft is None
+            graph_decode = self.device.type == "cuda" and self.offload is None
+        paged = Forward(
+            self.cache, self.weights, self.pools, self.offload, self.stats,
+            device=self.device, tail_only=tail_only, mtp=mtp,
+        )  # fmt: skip
+        self.model_runner = make_model_runner(
+            paged, graph_decode, draft is not None, max_running, self.spec_tokens
+        )
+        self.spec = make_speculation(self.model_runner, draft, max_running, self.spec_tokens)
+        self.memory = prefill_budget(model, dtype, self.device, memory_budget)
+        self._rules = SubmissionRules(
+            model.vocab_size, self.cache, self.spec_tokens, tail_only, self.memory
+        )
+        self._schedule(schedule, hisparse_pages or 0)
+        self.emission = Emission(self.scheduler, self.stats, tail_only=tail_only,
+                                 window=model.window)  # fmt: skip
+        self.overlap = check_overlap(overlap, self.decoder, self.spec, self.offload)
+        self._overlap = (
+            OverlapDecode(self.scheduler, self.model_runner, self.emission, self.stats)
+            if self.overlap
             else None
         )
-        self.spec_tokens = speculative_tokens or 0
-        self.spec = None
-        if draft is not None:
-            self.spec = SpeculativeDecoder(self, self.spec_tokens, draft, graph_decode)
-        self.memory = prefill_budget(model, dtype, self.device, memory_budget)
-        self.overlap = check_overlap(overlap, self.decoder, self.spec, self.offload)
-        self._inflight, self._table_deltas = None, []
-        self._step_hidden: torch.Tensor | None = None
-        self._waiting = WaitingQueue(self.cache, schedule)
-        self._running: list[_Seq] = []
         self._next_id = 0
         self._unclaimed: list[GenerationResult] = []
-        self._salvaged: list[GenerationResult] = []
-        self._clock = 0
-        self.on_logits: Callable[[list[GenerationResult], torch.Tensor], None] | None = None
+
+    def _schedule(self, policy: SchedulePolicy, device_pages: int) -> None:
+        """The scheduler and its step budget; re-balances reach the pools through
+        `_rebalanced`."""
+        config = SchedulerConfig(
+            self.chunk_tokens, self.max_running, self.spec_tokens, device_pages,
+            self.model.index_topk,
+        )  # fmt: skip
+        self.scheduler = Scheduler(self.cache, config, self.stats, policy)
+        self.scheduler.on_rebalance = self._rebalanced
+        self.budget = StepBudget(self.scheduler, self.model, self.memory)
+
+    def _rebalanced(self, report: RebalanceReport) -> None:
+        """A pool re-balance: its rows moved in the pools, its deltas to the device tables."""
+        apply_rebalance(self.pools, report)
+        self._note_deltas(report.deltas)
+
+    def _note_deltas(self, deltas) -> None:
+        """Table changes outside a step's own extend, for every device table that follows them
+        (the graph decoder's or verifier's, the draft source's)."""
+        self.model_runner.note(deltas)
+        if self.spec is not None:
+            self.spec.note(deltas)
+
+    #: the components' state, read and written through (callers and tests use these names)
+    _running = Through("scheduler", "running")
+    _waiting = Through("scheduler", "waiting")
+    _clock = Through("scheduler", "clock")
+    share_prefills = Through("scheduler", "share_prefills")
+    pool_balance = Through("scheduler", "balance")
+    on_logits = Through("emission", "on_logits")
+    decoder = Through("model_runner", "decoder")
+    #: seams tests wrap: the paged forward, the serialised graph decode step, the tail-only
+    #: bookkeeping of a prefill forward, a preemption
+    _forward = Through("model_runner.paged", "_forward")
+    _graph_forward = Through("model_runner", "graph_forward")
+    _count_tail = Through("emission", "_count_tail")
+    _requeue = Through("scheduler", "requeue")
 
     # -- submission ------------------------------------------------------------------------
 
@@ -226,7 +213,7 @@ class Runner(Prefill, Decode):
         empty prompt, tokens outside the vocabulary, a request longer than the full pool can
         ever hold, or a priority that is not an int."""
         params = params or SamplingParams()
-        tokens = self._validate(prompt, params)
+        tokens = self._rules.tokens(prompt, params)
         priority = check_priority(priority)
         rid = self._next_id
         self._next_id += 1
@@ -240,8 +227,9 @@ class Runner(Prefill, Decode):
     def num_pending(self) -> int:
         """Requests submitted and not finished (waiting, running, or awaiting their last token
         from the step in flight)."""
-        step = self._inflight
-        return len(self._waiting) + len(self._running) + (step.num_closing if step else 0)
+        step = self._overlap.inflight if self._overlap is not None else None
+        waiting, running = len(self.scheduler.waiting), len(self.scheduler.running)
+        return waiting + running + (step.num_closing if step else 0)
 
     @property
     def paths(self) -> ExecutionPaths:
@@ -260,7 +248,8 @@ class Runner(Prefill, Decode):
     @property
     def num_prefilling(self) -> int:
         """Requests waiting for admission or with prompt tokens still to compute."""
-        return len(self._waiting) + sum(not s.decoding for s in self._running)
+        running = self.scheduler.running
+        return len(self.scheduler.waiting) + sum(not s.decoding for s in running)
 
     # -- the step --------------------------------------------------------------------------
 
@@ -270,12 +259,12 @@ class Runner(Prefill, Decode):
         that raises fails its own requests only: nothing is raised here for it). With overlap
         scheduling the decode forward is launched and the previous step's is read back: its
         tokens are emitted and its results returned by this call."""
-        self._clock += 1
+        self.scheduler.clock += 1
         self.stats.steps += 1
         self._admit()
         done = self._prefill()
         done += self._decode()
-        return done + self._take_salvaged()
+        return done + self.emission.take_salvaged()
 
     def run(
         self, on_step: Callable[[Runner, list[GenerationResult]], None] | None = None
@@ -306,28 +295,14 @@ class Runner(Prefill, Decode):
         ``priorities``: one per prompt (default 0 each; see `submit`); `InvalidRequestError`
         if a count differs. Requests submitted earlier keep running; their results wait in
         `take_finished`."""
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        priorities = [0] * len(prompts) if priorities is None else priorities
-        if not len(params) == len(priorities) == len(prompts):
-            raise InvalidRequestError(
-                f"{len(prompts)} prompts but {len(params)} SamplingParams and "
-                f"{len(priorities)} priorities"
-            )
         results: list[GenerationResult | None] = []
         ids: dict[int, int] = {}
-        for i, (prompt, p, prio) in enumerate(zip(prompts, params, priorities)):
+        for i, (prompt, p, prio) in enumerate(per_prompt(prompts, params, priorities)):
             try:
                 ids[self.submit(prompt, p, prio)] = i
                 results.append(None)
             except InvalidRequestError as exc:
-                bad = list(prompt) if isinstance(prompt, (list, tuple)) else []
-                failure = RequestFailure(FailureStage.SUBMIT, exc)
-                results.append(
-                    GenerationResult(
-                        -1, bad, finish_reason="error", error=str(exc), failure=failure
-                    )
-                )
+                results.append(refused(prompt, exc))
         waiting = set(ids)
         while waiting:
             done = self.step()
@@ -346,54 +321,80 @@ class Runner(Prefill, Decode):
         out, self._unclaimed = self._unclaimed, []
         return out
 
+    # -- the loop: schedule -> execute -> postprocess ---------------------------------------
 
-def _check_tail_only(model: ModelConfig, tail_only: bool) -> bool:
-    """``tail_only``, validated against the model (`ValueError` if it cannot apply)."""
-    last = model.last_kv_source
-    if tail_only and last is None:
-        raise ValueError(
-            "tail_only needs cross-layer KV sharing (ModelConfig.kv_sources): the layers after "
-            "the last KV-source layer are the ones it skips"
-        )
-    if tail_only and last == model.num_layers - 1:
-        raise ValueError(f"tail_only: no layer comes after the last KV-source layer {last}")
-    return tail_only
+    def _admit(self) -> None:  # (a name the stateful tests call step by step)
+        self.scheduler.admit()
 
+    def _prefill(self) -> list[GenerationResult]:
+        """Pending replays, then one prefill forward over the chunks that fit this step;
+        returns the requests it finished. A forward that raises fails its requests only."""
+        seqs, chunks = self.budget.prefill_chunks(self.chunk_tokens - self._replay())
+        if not seqs:
+            return []
+        with self.emission.isolated(seqs, FailureStage.PREFILL):
+            batch = self.scheduler.allocate(BatchKind.PREFILL, seqs, chunks)
+            if batch is None:
+                return []
+            output = self.model_runner.execute(batch)
+            return self.emission.prefill_done(batch, output.logits)
+        return []
 
-def _check_speculation(
-    model: ModelConfig,
-    cache_config: CacheConfig,
-    num_tokens: int | None,
-    draft: DraftSource | None,
-    hisparse_pages: int | None,
-) -> DraftSource | None:
-    """The draft source of a speculative runner (`MTPDraft` by default), ``None`` without
-    speculation; `ValueError` for a combination the runner cannot run."""
-    if num_tokens is None:
-        if draft is not None:
-            raise ValueError("a draft source needs speculative_tokens=k")
-        return None
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-        raise ValueError(f"speculative_tokens must be an int >= 1, got {num_tokens!r}")
-    if not cache_config.speculative:
-        raise ValueError("speculative decoding needs CacheConfig(speculative=True)")
-    limit = cache_config.max_draft_len
-    if limit is not None and num_tokens + 1 > limit:
-        raise ValueError(
-            f"speculative_tokens={num_tokens} verifies {num_tokens + 1} tokens per step, more "
-            f"than the cache's max_draft_len={limit}"
-        )
-    verify_need = num_tokens + 1 + cache_config.window + 2 * cache_config.page_size
-    if verify_need > cache_config.swa_capacity:
-        raise ValueError(
-            f"SWA pool of {cache_config.swa_capacity} tokens cannot hold a verify step of "
-            f"{num_tokens + 1} tokens plus its window (needs {verify_need}); lower "
-            "speculative_tokens"
-        )
-    if hisparse_pages is not None:
-        raise ValueError("speculative decoding with HiSparse is not supported")
-    if draft is None:
-        if not model.mtp:
-            raise ValueError("the model has no MTP layer: pass a draft source")
-        draft = MTPDraft()
-    return draft
+    def _replay(self) -> int:
+        """Runs pending window rebuilds of replayed hits in one forward; the tokens replayed
+        (of the step's budget, even if the forward failed)."""
+        seqs, parts = self.budget.replay_slices()
+        if not parts:
+            return 0
+        replayed = sum(hi - lo for _, lo, hi in parts)
+        with self.emission.isolated(seqs, FailureStage.PREFILL):
+            self.model_runner.execute(self.budget.replay_batch(seqs, parts))
+            self.budget.replayed(seqs, parts)
+        self.stats.replayed_tokens += replayed
+        return replayed
+
+    def _decode(self) -> list[GenerationResult]:
+        """One decode forward: overlapped where it can be, else serialised (the step in flight
+        read back first)."""
+        seqs = self.budget.decode_rows()
+        ahead = self._overlap
+        if ahead is not None and seqs and ahead.overlappable(seqs):
+            return ahead.decode(seqs)
+        done = ahead.settle() if ahead is not None else []
+        if done or ahead is not None:
+            seqs = self.budget.decode_rows()
+        seqs = self.budget.fit_decode_batch(seqs)
+        if not seqs:
+            return done
+        self.stats.serialised_steps += self.overlap
+        with self.emission.isolated(seqs, FailureStage.DECODE):  # a raise fails these only
+            done += self._speculate(seqs) if self.spec is not None else self._decode_one(seqs)
+        return done
+
+    def _decode_one(self, seqs: list[_Seq]) -> list[GenerationResult]:
+        chunks = [[s.result.output[-1]] for s in seqs]
+        batch = self.scheduler.allocate(BatchKind.DECODE, seqs, chunks)
+        if batch is None:
+            return []
+        output = self.model_runner.execute(batch)
+        self.stats.decode_tokens += len(batch.seqs)
+        return self.emission.emit_all(batch.seqs, output.logits)
+
+    def _speculate(self, seqs: list[_Seq]) -> list[GenerationResult]:
+        """One verify step: the strategy proposes, the loop extends and executes, the strategy
+        judges, the loop rolls back (in reverse batch order: a full rejection restores the free
+        stacks exactly), keeps the MTP hidden states and emits."""
+        assert self.spec is not None
+        proposal = self.spec.propose(seqs)
+        batch = self.scheduler.allocate(BatchKind.VERIFY, proposal.seqs, proposal.chunks)
+        if batch is None:
+            return []
+        self.spec.note(batch.deltas)
+        verdict = self.spec.judge(batch, self.model_runner.execute(batch), proposal)
+        for seq, n in reversed(list(zip(batch.seqs, verdict.rollback))):
+            self._note_deltas(self.cache.rollback(seq.req, n).deltas)
+        if verdict.hidden is not None:
+            for seq, h in zip(batch.seqs, verdict.hidden):
+                seq.hidden = (seq.req, h)
+        self.stats.decode_tokens += sum(len(e) for e in verdict.emitted)
+        return self.emission.emit_tokens(batch.seqs, verdict.emitted)

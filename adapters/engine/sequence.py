@@ -1,18 +1,23 @@
 """A request's life in the runner: what the caller gets back (`GenerationResult`) and the
 runner's in-flight record of it (`_Seq`: the result so far, its sampler, its live cache
-request). Shared by the runner's roles and by speculative decoding; imports neither."""
+request). Shared by the scheduler, the model runner, emission and speculative decoding;
+imports none of them, nor torch (types only)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from adapters.engine.sampling import Sampler, SamplingParams
 from shadowradix import MatchResult
 from shadowradix.request import Request
+
+if TYPE_CHECKING:  # torch-free at run time: the scheduler imports this module
+    import torch
+
+    from adapters.engine.sampling import Sampler, SamplingParams
 
 
 class FailureStage(Enum):

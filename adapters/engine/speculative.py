@@ -1,15 +1,18 @@
-"""Speculative decoding in the runner: verification (greedy, or rejection sampling at
-temperature > 0) and cache rollback. The draft sources live in `drafts` (re-exported here).
+"""Speculative decoding as a decode strategy: `SpeculativeDecoder` gets the model runner (for
+the hidden states MTP drafts start from) and answers two questions of the runner's loop, what
+to verify (`propose`) and, given the verify forward's output, what to emit and what to roll
+back (`judge`, a `Verdict`); the loop applies them. The draft sources live in `drafts`
+(re-exported here).
 
 One verify step per decoding request (docs/speculative.md)::
 
-    draft  = source.propose(...)                       k tokens after the pending token
-    extend_draft_batch(requests, [pending, d1..dk])    T = k + 1 tokens, private pages
-    one target forward over all T rows                 logits of every row
-    greedy: the longest prefix with d_i == argmax(row i-1), plus the target's next token
-    T > 0:  rejection sampling (`rejection`): d_i kept with probability min(1, p/q), then a
-            residual or bonus sample
-    cut at max_new_tokens / the stop token; rollback(request, T - emitted)
+    propose: source.propose(...)                  k tokens after the pending token
+    loop:    extend_draft_batch(requests, [pending, d1..dk])   T = k + 1 tokens, private pages
+    loop:    one target forward over all T rows (`ModelRunner.execute`): logits of every row
+    judge:   greedy: the longest prefix with d_i == argmax(row i-1), plus the target's token
+             T > 0:  rejection sampling (`rejection`): d_i kept with probability min(1, p/q),
+             then a residual or bonus sample; cut at max_new_tokens / the stop token
+    loop:    rollback(request, T - emitted), in reverse batch order; emit
 
 so the cache holds exactly ``prompt + output[:-1]`` afterwards, as without speculation, and the
 output is the target's greedy output (or a sample of the target's distribution) whatever the
@@ -21,10 +24,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
+from adapters.engine.batch import ScheduledBatch
 from adapters.engine.drafts import (
     DraftBatch,
     DraftContext,
@@ -34,14 +37,11 @@ from adapters.engine.drafts import (
     OracleDraft,
     SampledDraft,
 )
+from adapters.engine.model_runner import ForwardOutput, ModelRunner
 from adapters.engine.rejection import accept_sampled
-from adapters.engine.runner_stats import RunnerStats
-from adapters.engine.sequence import GenerationResult, _Seq
+from adapters.engine.sequence import _Seq
 from adapters.forward.graph_verify import GraphVerifier
-from adapters.memory.pools import KVPools
-from adapters.model.model_config import ModelConfig
-from adapters.model.weights import ModelWeights
-from shadowradix import PageTableDelta, ReadPlan, ShadowRadixCache
+from shadowradix import PageTableDelta
 
 __all__ = [
     "DraftBatch",
@@ -50,9 +50,11 @@ __all__ = [
     "DraftSource",
     "MTPDraft",
     "OracleDraft",
+    "Proposal",
     "SampledDraft",
     "SpecStats",
     "SpeculativeDecoder",
+    "Verdict",
     "accept_greedy",
     "cut_emission",
 ]
@@ -105,74 +107,63 @@ def cut_emission(tokens: list[int], room: int, stop_token: int | None) -> list[i
     return tokens
 
 
-class VerifyHost(Protocol):
-    """What `SpeculativeDecoder` reads and calls on the runner that holds it (`Runner` is one):
-    its model, cache, pools and counters, and its verbs to extend (preempting others until the
-    draft fits), run one forward, emit a token and read a request's MTP hidden state."""
+@dataclass(frozen=True)
+class Proposal:
+    """What a verify step computes: per request (in ``seqs`` order) its pending token and its
+    ``k`` drafts (``chunks``), and the distributions the drafts were sampled from ``(B, k, V)``
+    (``probs``; ``None``: a deterministic source)."""
 
-    model: ModelConfig
-    cache: ShadowRadixCache
-    weights: ModelWeights
-    pools: KVPools
-    device: torch.device
-    max_running: int
-    stats: RunnerStats
-    #: every row's main hidden state of the last paged forward (MTP drafts only)
-    _step_hidden: torch.Tensor | None
+    seqs: tuple[_Seq, ...]
+    chunks: tuple[list[int], ...]
+    probs: torch.Tensor | None
 
-    def _hidden_of(self, seq: _Seq, start: int | None = None) -> torch.Tensor: ...
 
-    def _extend(self, seqs: list[_Seq], chunks: list[list[int]], draft: bool = False): ...
+@dataclass(frozen=True)
+class Verdict:
+    """What a verify step's output means, per request of its batch: the tokens to emit
+    (accepted drafts, then the target's token, cut at max_new_tokens / the stop token), how
+    many of its verified tokens to roll back, and the main hidden state at its last kept row
+    (``hidden[i]``; ``None``: no MTP state is kept)."""
 
-    def _forward(
-        self,
-        seqs: list[_Seq],
-        chunks: list[list[int]],
-        alloc,
-        rows: list[int],
-        plans: list[ReadPlan] | None = None,
-    ): ...
-
-    def _emit(self, seq: _Seq, token: int) -> list[GenerationResult]: ...
+    emitted: tuple[list[int], ...]
+    rollback: tuple[int, ...]
+    hidden: torch.Tensor | None = None
 
 
 class SpeculativeDecoder:
-    """The runner's decode phase under speculation (``Runner(speculative_tokens=k)``)."""
+    """The decode strategy of ``Runner(speculative_tokens=k)``: ``num_tokens`` drafts per
+    request from ``draft``, bound to ``context``; ``model_runner`` gives the hidden states."""
 
     def __init__(
-        self, runner: VerifyHost, num_tokens: int, draft: DraftSource, graph: bool
+        self,
+        model_runner: ModelRunner,
+        num_tokens: int,
+        draft: DraftSource,
+        context: DraftContext,
     ) -> None:
-        self.num_tokens, self.draft = num_tokens, draft
+        self.model_runner, self.num_tokens, self.draft = model_runner, num_tokens, draft
         self.stats = SpecStats()
-        self.verifier = None
-        # page-table deltas not yet seen by the verifier's / the draft's device tables
-        self._unverified: list[PageTableDelta] = []
+        self._vocab = context.weights.config.vocab_size
+        #: page-table deltas not yet seen by the draft source's device tables
         self._undrafted: list[PageTableDelta] = []
-        cc = runner.cache.config
-        if graph:
-            self.verifier = GraphVerifier(
-                runner.weights,
-                runner.pools,
-                cc,
-                runner.max_running,
-                cc.full_capacity,
-                num_tokens + 1,
-                mtp=draft.uses_mtp,
-            )
-        use_graphs = graph and runner.device.type == "cuda"
-        draft.bind(
-            DraftContext(
-                runner.weights, runner.pools, cc, runner.max_running, num_tokens, use_graphs
-            )
-        )
+        draft.bind(context)
 
-    def _propose(self, runner: VerifyHost, seqs: list[_Seq]):
-        """The drafts ``list[list[int]]`` and their distributions ``(B, k, V)`` (``None``: a
-        deterministic source)."""
+    @property
+    def verifier(self) -> GraphVerifier | None:
+        """The model runner's graph verifier (None: verify steps run the paged forward)."""
+        return self.model_runner.verifier
+
+    def note(self, deltas: Sequence[PageTableDelta]) -> None:
+        """Keeps table changes for the draft source (`DraftBatch.deltas`)."""
+        self._undrafted += deltas
+
+    def propose(self, seqs: list[_Seq]) -> Proposal:
+        """The drafts of ``seqs`` (each with exactly one pending token), checked: `DraftError`
+        for a source that breaks its contract, before the cache is touched."""
         t0 = time.perf_counter()
         hidden = None
         if self.draft.uses_mtp:
-            hidden = torch.stack([runner._hidden_of(s) for s in seqs])
+            hidden = torch.stack([self.model_runner.hidden_of(s) for s in seqs])
         k = self.num_tokens
         uniforms = torch.stack(
             [torch.zeros(k, dtype=torch.float64) if s.sampler.greedy else s.sampler.uniforms(k)
@@ -193,18 +184,19 @@ class SpeculativeDecoder:
         drafts, probs = proposal, None
         if isinstance(proposal, SampledDraft):
             drafts, probs = proposal.tokens, proposal.probs
-            self._check_probs(probs, len(seqs), runner.model.vocab_size)
-        self._check(drafts, len(seqs), runner.model.vocab_size)
+            self._check_probs(probs, len(seqs))
+        checked = self._check(drafts, len(seqs))
         self.stats.draft_s += time.perf_counter() - t0
-        return drafts, probs
+        chunks = tuple([s.result.output[-1]] + d for s, d in zip(seqs, checked))
+        return Proposal(tuple(seqs), chunks, probs)
 
-    def _check_probs(self, probs: object, batch: int, vocab: int) -> None:
-        shape = (batch, self.num_tokens, vocab)
+    def _check_probs(self, probs: object, batch: int) -> None:
+        shape = (batch, self.num_tokens, self._vocab)
         if not isinstance(probs, torch.Tensor) or tuple(probs.shape) != shape:
             raise DraftError(f"SampledDraft.probs must be a tensor of shape {shape}")
 
-    def _check(self, drafts: object, batch: int, vocab: int) -> None:
-        k = self.num_tokens
+    def _check(self, drafts: object, batch: int) -> list[list[int]]:
+        k, vocab = self.num_tokens, self._vocab
         if not isinstance(drafts, list) or len(drafts) != batch:
             raise DraftError(f"the draft source must return {batch} drafts, got {drafts!r:.80}")
         for d in drafts:
@@ -212,55 +204,30 @@ class SpeculativeDecoder:
                 raise DraftError(f"every draft must be a list of {k} token ids, got {d!r:.80}")
             if any(type(t) is not int or not 0 <= t < vocab for t in d):
                 raise DraftError(f"draft tokens must be ints in [0, {vocab}), got {d!r:.80}")
+        return drafts
 
-    def decode(self, runner: VerifyHost, seqs: list[_Seq]) -> list[GenerationResult]:
-        """One verify step for ``seqs`` (each with exactly one pending token)."""
-        drafts, probs = self._propose(runner, seqs)
-        chunks = [[s.result.output[-1]] + d for s, d in zip(seqs, drafts)]
-        row = {id(s): i for i, s in enumerate(seqs)}  # the extend may preempt some of seqs
-        seqs, chunks, alloc = runner._extend(seqs, chunks, draft=True)
-        if alloc is None:
-            return []
-        self._note(alloc.deltas)
-        if probs is not None:
+    def judge(self, batch: ScheduledBatch, output: ForwardOutput, proposal: Proposal) -> Verdict:
+        """Accepts (greedy or by rejection sampling), cuts at max_new_tokens / stop tokens and
+        says what to roll back, for the requests of ``batch`` (those of ``proposal`` that the
+        extend did not preempt). Counts the step (`SpecStats`); changes nothing else."""
+        seqs, t = batch.seqs, self.num_tokens + 1
+        probs = proposal.probs
+        if probs is not None:  # the extend may have preempted some of the proposal's requests
+            row = {id(s): i for i, s in enumerate(proposal.seqs)}
             probs = probs[torch.tensor([row[id(s)] for s in seqs], dtype=torch.long)]
-        logits, hidden = self._verify(runner, seqs, chunks, alloc)
-        emitted = self._settle(runner, seqs, chunks, logits, hidden, probs)
-        runner.stats.decode_tokens += sum(len(e) for e in emitted)
-        done: list[GenerationResult] = []
-        for s, e in zip(seqs, emitted):
-            for tok in e:
-                done += runner._emit(s, tok)
-            # the cache holds prompt + output[:-1]: exactly one token pending
-            assert s.request is None or s.request.length == len(s.tokens) - 1
-        return done
-
-    def _note(self, deltas: tuple[PageTableDelta, ...]) -> None:
-        """Keeps ``deltas`` for the device tables of the verifier and the draft source."""
-        if self.verifier is not None:
-            self._unverified += deltas
-        self._undrafted += deltas
-
-    def _settle(self, runner: VerifyHost, seqs, chunks, logits, hidden, probs) -> list[list[int]]:
-        """Accepts, cuts at max_new_tokens / stop tokens, rolls back the rest (in reverse batch
-        order: a full rejection restores the free stacks exactly) and keeps the hidden state
-        of each request's last kept row. Returns the tokens to emit per request."""
-        t = self.num_tokens + 1
-        rows = logits.view(len(seqs), t, -1)
-        emitted, accepted = self._accept(seqs, [c[1:] for c in chunks], rows, probs)
+        rows = output.logits.view(len(seqs), t, -1)
+        drafts = [c[1:] for c in batch.chunks]
+        emitted, accepted = self._accept(list(seqs), drafts, rows, probs)
         emitted = [
             cut_emission(e, s.params.max_new_tokens - len(s.result.output), s.params.stop_token)
             for s, e in zip(seqs, emitted)
         ]
-        for i in reversed(range(len(seqs))):
-            self._note(runner.cache.rollback(seqs[i].req, t - len(emitted[i])).deltas)
-        if hidden is not None:  # copies: graph outputs are reused
-            rows = [i * t + len(e) - 1 for i, e in enumerate(emitted)]
-            kept = hidden[torch.tensor(rows, device=hidden.device)]
-            for s, h in zip(seqs, kept):
-                s.hidden = (s.req, h)
-        self._count(seqs, emitted, accepted)
-        return emitted
+        kept = None
+        if output.hidden is not None:  # copies: graph outputs are reused
+            last = [i * t + len(e) - 1 for i, e in enumerate(emitted)]
+            kept = output.hidden[torch.tensor(last, device=output.hidden.device)]
+        self._count(len(seqs), emitted, accepted)
+        return Verdict(tuple(emitted), tuple(t - len(e) for e in emitted), kept)
 
     def _accept(self, seqs: list[_Seq], drafts: list[list[int]], logits: torch.Tensor, probs):
         """Greedy requests keep the drafts equal to the target's argmax (`accept_greedy`);
@@ -278,27 +245,10 @@ class SpeculativeDecoder:
                 emitted[i], accepted[i] = ei, ai
         return emitted, accepted
 
-    def _verify(self, runner: VerifyHost, seqs: list[_Seq], chunks: list[list[int]], alloc):
-        """Logits ``(B*T, V)`` of every row, and the rows' hidden states when MTP is kept."""
-        if self.verifier is None:
-            rows = list(range(sum(len(c) for c in chunks)))  # every row: all verified
-            logits = runner._forward(seqs, chunks, alloc, rows)
-            return logits, runner._step_hidden
-        t0 = time.perf_counter()
-        prev = None
-        if self.draft.uses_mtp:
-            prev = torch.stack([runner._hidden_of(s) for s in seqs])
-        deltas, self._unverified = self._unverified, []
-        logits, hidden = self.verifier.verify([s.req for s in seqs], chunks, prev, deltas=deltas)
-        if runner.device.type == "cuda":  # pragma: no cover - needs a GPU
-            torch.cuda.synchronize(runner.device)
-        runner.stats.forward_s += time.perf_counter() - t0
-        return logits, hidden if self.draft.uses_mtp else None
-
-    def _count(self, seqs: list[_Seq], emitted: list[list[int]], accepted: list[int]) -> None:
+    def _count(self, batch: int, emitted: list[list[int]], accepted: list[int]) -> None:
         st = self.stats
         st.forwards += 1
-        st.request_steps += len(seqs)
-        st.drafted_tokens += self.num_tokens * len(seqs)
+        st.request_steps += batch
+        st.drafted_tokens += self.num_tokens * batch
         st.accepted_tokens += sum(min(a, len(e)) for a, e in zip(accepted, emitted))
         st.emitted_tokens += sum(len(e) for e in emitted)

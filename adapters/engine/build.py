@@ -1,0 +1,159 @@
+"""How `Runner(...)` is put together: the checks it makes of its arguments before it allocates
+anything (the chunk against the SWA pool, tail-only prefill against the model, speculation
+against the cache and the other modes; each raises `ValueError` naming what cannot run), and
+the execution side it builds (the HiSparse executor, the model runner and its graph decoder or
+verifier)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from adapters.engine.drafts import DraftContext, DraftSource, MTPDraft
+from adapters.engine.forward import Forward
+from adapters.engine.model_runner import ModelRunner
+from adapters.engine.speculative import SpeculativeDecoder
+from adapters.forward.graph_decode import GraphDecoder
+from adapters.forward.graph_verify import GraphVerifier
+from adapters.model.model_config import ModelConfig
+from shadowradix import CacheConfig, ShadowRadixCache
+
+if TYPE_CHECKING:
+    from adapters.memory.offload import C4Offload
+
+
+def check_chunk(cache_config: CacheConfig, chunk_tokens: int, max_running: int) -> None:
+    """A prefill chunk (and its window) the SWA pool can hold, and a batch of at least one."""
+    if chunk_tokens < 1 or max_running < 1:
+        raise ValueError("chunk_tokens and max_running must be >= 1")
+    swa_need = chunk_tokens + cache_config.window + 2 * cache_config.page_size
+    if swa_need > cache_config.swa_capacity:
+        raise ValueError(
+            f"SWA pool of {cache_config.swa_capacity} tokens cannot hold a {chunk_tokens}-token"
+            f" chunk plus its window (needs {swa_need}); lower chunk_tokens"
+        )
+
+
+def check_tail_only(model: ModelConfig, tail_only: bool) -> bool:
+    """``tail_only``, validated against the model (`ValueError` if it cannot apply)."""
+    last = model.last_kv_source
+    if tail_only and last is None:
+        raise ValueError(
+            "tail_only needs cross-layer KV sharing (ModelConfig.kv_sources): the layers after "
+            "the last KV-source layer are the ones it skips"
+        )
+    if tail_only and last == model.num_layers - 1:
+        raise ValueError(f"tail_only: no layer comes after the last KV-source layer {last}")
+    return tail_only
+
+
+def check_speculation(
+    model: ModelConfig,
+    cache_config: CacheConfig,
+    num_tokens: int | None,
+    draft: DraftSource | None,
+    hisparse_pages: int | None,
+) -> DraftSource | None:
+    """The draft source of a speculative runner (`MTPDraft` by default), ``None`` without
+    speculation; `ValueError` for a combination the runner cannot run."""
+    if num_tokens is None:
+        if draft is not None:
+            raise ValueError("a draft source needs speculative_tokens=k")
+        return None
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"speculative_tokens must be an int >= 1, got {num_tokens!r}")
+    if not cache_config.speculative:
+        raise ValueError("speculative decoding needs CacheConfig(speculative=True)")
+    limit = cache_config.max_draft_len
+    if limit is not None and num_tokens + 1 > limit:
+        raise ValueError(
+            f"speculative_tokens={num_tokens} verifies {num_tokens + 1} tokens per step, more "
+            f"than the cache's max_draft_len={limit}"
+        )
+    verify_need = num_tokens + 1 + cache_config.window + 2 * cache_config.page_size
+    if verify_need > cache_config.swa_capacity:
+        raise ValueError(
+            f"SWA pool of {cache_config.swa_capacity} tokens cannot hold a verify step of "
+            f"{num_tokens + 1} tokens plus its window (needs {verify_need}); lower "
+            "speculative_tokens"
+        )
+    if hisparse_pages is not None:
+        raise ValueError("speculative decoding with HiSparse is not supported")
+    if draft is None:
+        if not model.mtp:
+            raise ValueError("the model has no MTP layer: pass a draft source")
+        draft = MTPDraft()
+    return draft
+
+
+def check_mtp(uses_mtp: bool, tail_only: bool) -> None:
+    """MTP drafts read every prompt position's hidden state: not with tail-only prefill."""
+    if uses_mtp and tail_only:
+        raise ValueError(
+            "MTP drafts with tail-only prefill are not supported: the MTP layer reads the "
+            "main model's hidden state at every prompt position (use another draft source)"
+        )
+
+
+def check_hisparse(model: ModelConfig, hisparse_pages: int | None, graph_decode: bool | None):
+    """A HiSparse buffer that holds one query's top-k pages plus the page it writes, and no
+    graph decode with it (the plan needs the top-k on the host mid-forward)."""
+    if hisparse_pages is None:
+        return
+    if graph_decode:
+        raise ValueError("HiSparse plans on the host mid-forward: no graph decode with it")
+    if hisparse_pages < model.index_topk + 1:
+        raise ValueError(
+            f"hisparse_pages={hisparse_pages} cannot hold one query's top-"
+            f"{model.index_topk} pages plus the page it writes"
+        )
+
+
+def make_offload(
+    cache: ShadowRadixCache,
+    model: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    pages: int | None,
+) -> C4Offload | None:
+    """The HiSparse executor of ``pages`` device pages per C4 layer (None without HiSparse),
+    following the cache's page events on its own queue (``take_events`` is untouched)."""
+    if pages is None:
+        return None
+    from adapters.memory.offload import C4Offload
+
+    events = cache.subscribe_events()
+    return C4Offload(model, cache.config, device, dtype, pages, cache.config.debug, events=events)
+
+
+def make_model_runner(
+    paged: Forward, graph: bool, speculative: bool, max_batch: int, spec_tokens: int
+) -> ModelRunner:
+    """The model runner over ``paged``, with the graph decoder (``graph``, plain decode) or the
+    graph verifier (``graph`` and ``speculative``: verify steps of ``spec_tokens + 1``)."""
+    weights, pools, cc = paged.weights, paged.pools, paged.cache.config
+    decoder = verifier = None
+    if graph and not speculative:
+        decoder = GraphDecoder(weights, pools, cc, max_batch, cc.full_capacity)
+    elif graph:
+        verifier = GraphVerifier(
+            weights, pools, cc, max_batch, cc.full_capacity, spec_tokens + 1, mtp=paged.mtp
+        )
+    return ModelRunner(paged, decoder, verifier, paged.stats)
+
+
+def make_speculation(
+    model_runner: ModelRunner, draft: DraftSource | None, max_batch: int, spec_tokens: int
+) -> SpeculativeDecoder | None:
+    """The decode strategy of a speculative runner (None without a draft source): ``draft``
+    bound to the model runner's weights and pools, drafting with CUDA graphs where verify
+    steps run through the graph verifier on CUDA."""
+    if draft is None:
+        return None
+    paged = model_runner.paged
+    graphs = model_runner.verifier is not None and paged.device.type == "cuda"
+    context = DraftContext(
+        paged.weights, paged.pools, paged.cache.config, max_batch, spec_tokens, graphs
+    )
+    return SpeculativeDecoder(model_runner, spec_tokens, draft, context)

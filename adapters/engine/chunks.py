@@ -1,0 +1,131 @@
+"""Chunk budgeting, the scheduler's other half: which replay slices, prompt chunks and decode
+rows one step computes, within the step's ``chunk_tokens``, the memory budget and the HiSparse
+device buffer. Torch-free. `StepBudget` reads the scheduler's running set and the core's
+request state; it allocates nothing (`Scheduler.allocate` does) and changes nothing but each
+replaying request's progress (`replayed`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from adapters.engine.batch import BatchKind, ScheduledBatch
+from adapters.engine.scheduler import Scheduler
+from adapters.engine.sequence import _Seq
+from adapters.forward.replay import replay_step
+from adapters.model.model_config import ModelConfig
+from shadowradix import Allocation
+
+if TYPE_CHECKING:
+    from adapters.forward.memory_plan import PrefillBudget
+
+#: one request's replay slice: (its replay allocation, first position, end position)
+ReplaySlice = tuple[Allocation, int, int]
+
+
+class StepBudget:
+    """What fits one step, for ``scheduler``'s running requests."""
+
+    def __init__(self, scheduler: Scheduler, model: ModelConfig, memory: PrefillBudget) -> None:
+        self.scheduler, self.model, self.memory = scheduler, model, memory
+        self.config = scheduler.config
+
+    # -- bounded replay --------------------------------------------------------------------
+
+    def replay_slices(self) -> tuple[list[_Seq], list[ReplaySlice]]:
+        """Pending window rebuilds of replayed hits (each before its request's first chunk),
+        slices of at most the step's token budget (and, with HiSparse, of the device working
+        set), in running order."""
+        budget, parts, seqs = self.config.chunk_tokens, [], []
+        pages_left = self.config.device_pages
+        for seq in self.scheduler.running:
+            if seq.replay_at is None or budget == 0:
+                continue
+            alloc = seq.req.replay_allocation
+            assert alloc is not None
+            n = self.fit_tokens(seq, min(budget, alloc.ends[0] - seq.replay_at), pages_left)
+            if not n:
+                break
+            budget -= n
+            pages_left -= self.working_set(seq, n) if self.config.hisparse else 0
+            parts.append((alloc, seq.replay_at, seq.replay_at + n))
+            seqs.append(seq)
+        return seqs, parts
+
+    def replay_batch(self, seqs: list[_Seq], parts: list[ReplaySlice]) -> ScheduledBatch:
+        """The forward of ``parts``: their slices merged into one plan (`replay.replay_step`),
+        each reading its window from ``replay_start`` (the request's read plan)."""
+        chunks = tuple(s.token_slice(lo, hi) for s, (_, lo, hi) in zip(seqs, parts))
+        plans = tuple(self.scheduler.cache.read_plan(s.req) for s in seqs)
+        plan = replay_step(parts)
+        return ScheduledBatch(BatchKind.REPLAY, tuple(seqs), chunks, plan, read_plans=plans)
+
+    @staticmethod
+    def replayed(seqs: list[_Seq], parts: list[ReplaySlice]) -> None:
+        """Advances each request's replay past its slice (done at the slice of its end)."""
+        for seq, (alloc, _, hi) in zip(seqs, parts):
+            seq.replay_at = hi if hi < alloc.ends[0] else None
+
+    # -- prefill ---------------------------------------------------------------------------
+
+    def prefill_chunks(self, budget: int) -> tuple[list[_Seq], list[list[int]]]:
+        """The prefilling requests of this step and their chunks, within ``budget`` tokens, the
+        memory budget and the HiSparse buffer."""
+        seqs, chunks, most = [], [], self.config.chunk_tokens
+        pages_left, entries = self.config.device_pages, 0
+        for seq in self.scheduler.running:
+            if seq.decoding or seq.replay_at is not None or budget == 0:
+                continue
+            entries += sum(seq.num_tokens // r for r in self.model.ratios)
+            taken = most - budget
+            want = min(budget, max(0, self.memory.step_tokens(entries, most) - taken))
+            chunk = seq.req.prompt_remaining[: self.fit_tokens(seq, want, pages_left)].tolist()
+            if not chunk:
+                break
+            budget -= len(chunk)
+            pages_left -= self.working_set(seq, len(chunk)) if self.config.hisparse else 0
+            seqs.append(seq)
+            chunks.append(chunk)
+        return seqs, chunks
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def decode_rows(self) -> list[_Seq]:
+        """The decoding requests with one token to compute: sampled and not yet extended, or
+        (overlap) still on the device, in the step in flight."""
+        step, out = self.scheduler.inflight, []
+        for s in self.scheduler.running:
+            if not s.decoding or s.result.finish_reason is not None:
+                continue
+            behind = s.num_tokens - s.req.length
+            if behind == 1 or (behind == 0 and step is not None and step.row_of(s) is not None):
+                out.append(s)
+        return out
+
+    def fit_decode_batch(self, seqs: list[_Seq]) -> list[_Seq]:
+        """The decode requests whose working sets fit the HiSparse buffer this step, starting
+        at a rotating offset so that requests left out now go first later (all of ``seqs``
+        without HiSparse)."""
+        if not seqs or not self.config.hisparse:
+            return seqs
+        start = self.scheduler.clock % len(seqs)
+        chosen, pages_left = [], self.config.device_pages
+        for seq in seqs[start:] + seqs[:start]:
+            need = self.working_set(seq, 1)
+            if need <= pages_left:
+                chosen.append(seq)
+                pages_left -= need
+        return chosen
+
+    # -- the HiSparse device buffer --------------------------------------------------------
+
+    def working_set(self, seq: _Seq, num_tokens: int) -> int:
+        """Upper bound of the C4 pages one request's ``num_tokens`` new queries read (HiSparse):
+        each reads top-k entries, and no request reads more pages than it has."""
+        pages = -(-(seq.req.length + num_tokens) // self.scheduler.cache.config.page_size)
+        return min(num_tokens * self.config.index_topk, pages)
+
+    def fit_tokens(self, seq: _Seq, wanted: int, pages_left: int) -> int:
+        """How many of ``wanted`` tokens fit in the HiSparse device buffer's remaining pages."""
+        if not self.config.hisparse or self.working_set(seq, wanted) <= pages_left:
+            return wanted
+        return min(wanted, pages_left // self.config.index_topk)
