@@ -24,15 +24,18 @@ empty cache, the same prompt cold (TTFT without PD, for scale). Figures per rep:
     python bench/pd_transfer.py --device cuda --prompt-len 32768 --reps 5 \
         --json bench/results/pd_transfer_h200.json
     python bench/pd_transfer.py --device cpu --model tiny --prompt-len 1024 --reps 2
+    bench/launch/pd_nccl.sh        # two GPUs, NCCL, device-to-device bytes (torchrun)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -79,10 +82,16 @@ def timed_generate(runner: Runner, prompt: list[int], n: int) -> tuple[list[int]
 def rank_main(rank: int, port: int, args, out: str) -> None:  # runs in the spawned ranks
     import torch.distributed as dist
 
-    from adapters.distributed.pd import prefill, receive_prefix, send_prefix
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=600))  # fmt: skip
+    run_rank(rank, args, out)
+    dist.destroy_process_group()
+
+
+def run_rank(rank: int, args, out: str) -> None:
+    """One engine's side of every rep; its rows go to ``out/rank{rank}.json``."""
+    from adapters.distributed.pd import prefill, receive_prefix, send_prefix
+
     runner, rows = build(args), []
     cold = build(args) if rank == 1 else None
     for i, prompt in enumerate(prompts(args)):
@@ -105,7 +114,23 @@ def rank_main(rank: int, port: int, args, out: str) -> None:  # runs in the spaw
                          ttft_after_s=ttft, ttft_cold_s=ttft_cold,
                          match=pd_out == cold_out))  # fmt: skip
     Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
+
+
+def torchrun_rank(args) -> int:
+    """Runs this torchrun rank (NCCL on ``cuda:LOCAL_RANK``, or the backend torchrun's
+    ``--backend`` names); both ranks have written their rows when it returns."""
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device == "cuda":
+        torch.cuda.set_device(local)
+        args.device = f"cuda:{local}"
+    dist.init_process_group(args.backend, timeout=timedelta(seconds=600))
+    rank = dist.get_rank()
+    run_rank(rank, args, args.rows_dir)
+    dist.barrier()
     dist.destroy_process_group()
+    return rank
 
 
 def free_port() -> int:
@@ -125,16 +150,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", default="nccl", help="torchrun mode only (spawned: gloo)")
     ap.add_argument("--json", help="write {meta, config, rows, summary} here")
+    ap.add_argument("--rows-dir", help="torchrun: where the ranks leave their rows (shared)")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     meta = run_meta()
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
+    if "RANK" in os.environ:  # launched by torchrun (bench/launch/pd_nccl.sh): one rank here
+        rank = torchrun_rank(args)
+        if rank != 0:
+            return 0
+        rows_dir = args.rows_dir
+    else:
+        tmp = tempfile.mkdtemp()
         mp.start_processes(rank_main, args=(free_port(), args, tmp), nprocs=2,
                            start_method="spawn", join=True)  # fmt: skip
-        sender, receiver = (json.loads(Path(tmp, f"rank{i}.json").read_text()) for i in (0, 1))
+        rows_dir = tmp
+    sender, receiver = (json.loads(Path(rows_dir, f"rank{i}.json").read_text()) for i in (0, 1))
     for s, r in zip(sender, receiver):
         r.update(sender_s=s["sender_s"], bytes_ok=s["expected"] == r["bytes"])
     timed = [r for r in receiver if not r["warmup"]]
@@ -143,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     summary.update(bytes=timed[0]["bytes"], tokens=timed[0]["tokens"],
                    all_match=all(r["match"] for r in receiver),
                    bytes_ok=all(r["bytes_ok"] for r in receiver),
-                   staging="gloo through host memory")  # fmt: skip
+                   staging="NCCL, device to device" if "RANK" in os.environ and
+                   args.backend == "nccl" else "gloo through host memory")  # fmt: skip
     out = dict(meta=meta, config=vars(args), rows=receiver, summary=summary)
     print(json.dumps(summary, indent=1))
     if args.json:

@@ -2,7 +2,8 @@
 decode engine in another process, by page index (issue #16 item 1; docs/distributed.md).
 
 Both engines are plain `Runner`s with the same model, cache config and pool formats. The
-protocol, one request at a time, point to point (gloo on CPU; host-staged bytes on CUDA)::
+protocol, one request at a time, point to point (gloo: bytes staged through host memory; NCCL:
+device to device)::
 
     prefill (sender)                               decode (receiver)
     generate(prompt, 1 token): prefix cached
@@ -113,6 +114,12 @@ def _recv(peer: int, group: Any, kind: type | tuple[type, ...]) -> Any:
     return box[0]
 
 
+def _wire_device(runner: Runner, group: Any) -> torch.device:
+    """Where page bytes travel from: the pools' device under NCCL, host memory under gloo."""
+    nccl = dist.get_backend(group) == "nccl"
+    return runner.device if nccl else torch.device("cpu")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -142,7 +149,7 @@ def send_prefix(
         full = layout.full_pages[np.array(answer.full_index, dtype=np.int64)]
         swa = layout.swa_pages[np.array(answer.swa_index, dtype=np.int64)]
         t1 = time.perf_counter()
-        buf = gather_pages(runner.pools, full, swa).cpu()  # gloo moves host memory
+        buf = gather_pages(runner.pools, full, swa).to(_wire_device(runner, group))
         dist.send(buf, dst=dst, group=group)
         t2 = time.perf_counter()
         ack = _recv(dst, group, Ack)
@@ -171,7 +178,7 @@ def receive_prefix(runner: Runner, src: int, group: Any = None) -> tuple[list[in
     nbytes = transfer_bytes(runner.pools, *plan.needed)
     _send(Need(plan.full_index, plan.swa_index, nbytes), src, group)
     t1 = time.perf_counter()
-    buf = torch.empty(nbytes, dtype=torch.uint8)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=_wire_device(runner, group))
     try:
         dist.recv(buf, src=src, group=group)
     except RuntimeError as exc:
