@@ -14,11 +14,15 @@ For each batch size, ``batch`` random prompts are generated greedily three ways:
 
 Each timing run executes the whole workload twice on the same runner and times the second pass
 only (CUDA graphs are captured in the first), from the step where every request decodes to the
-last one. Draft sources: ``oracle:R`` (the target's greedy continuation from the check's plain
-run, each token kept with probability R, `OracleDraft`), ``mtp`` (the model's MTP layer).
+last one. Draft sources (``--sources`` or its alias ``--draft``, a comma-separated list):
+``oracle:R`` (the target's greedy continuation from the check's plain run, each token kept with
+probability R, `OracleDraft`), ``mtp`` (the model's MTP layer), ``eagle`` (the preset's shipped
+EAGLE head, `EagleDraft`; ``--eagle-weights FILE`` for another; a `WeightsError` if there is
+none) and ``eagle:random`` (a seeded random head: the draft cost only).
 
     python bench/speculative.py                                    # tiny model, CPU
     python bench/speculative.py --model flash-shaped --batches 1,8,32 --json spec.json
+    python bench/speculative.py --model tiny-trained --prompts heldout --draft mtp,eagle
 """
 
 from __future__ import annotations
@@ -35,13 +39,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from adapters.engine.eagle_draft import EagleDraft  # noqa: E402
 from adapters.engine.runner import Runner  # noqa: E402
 from adapters.engine.sampling import SamplingParams  # noqa: E402
 from adapters.engine.speculative import DraftSource, MTPDraft, OracleDraft, SpecStats  # noqa: E402
 from adapters.memory.device import resolve_device  # noqa: E402
+from adapters.model.eagle import (  # noqa: E402
+    EagleConfig,
+    EagleWeights,
+    init_eagle,
+    load_eagle,
+    load_shipped_eagle,
+)
 from adapters.model.model_config import ModelConfig, preset  # noqa: E402
 from adapters.model.weights import ModelWeights, init_weights  # noqa: E402
-from adapters.model.weights_file import load_shipped, shipped_path  # noqa: E402
+from adapters.model.weights_file import SHIPPED, load_shipped  # noqa: E402
 from adapters.training.corpus import FIXTURE_DIR, load_split  # noqa: E402
 from bench.meta import run_meta  # noqa: E402
 
@@ -82,18 +94,38 @@ def make_runner(
     )
 
 
-def source(name: str, continuations: dict, seed: int) -> DraftSource:
+def source(
+    name: str, continuations: dict, seed: int, head: EagleWeights | None = None
+) -> DraftSource:
     if name == "mtp":
         return MTPDraft()
+    if name.startswith("eagle"):
+        assert head is not None, "eagle_head() first"
+        return EagleDraft(head)
     kind, _, rate = name.partition(":")
     if kind != "oracle":
-        raise SystemExit(f"unknown draft source {name!r}: use oracle:RATE or mtp")
+        raise SystemExit(f"unknown draft source {name!r}: use oracle:RATE, mtp or eagle")
     return OracleDraft(continuations, float(rate), seed)
 
 
+def eagle_head(name: str, weights: ModelWeights, path: str | None) -> EagleWeights | None:
+    """The head an ``eagle`` source drafts with for ``weights`` (None for other sources):
+    ``eagle:random`` a seeded random one, else ``path`` or the preset's shipped head (both
+    checked against ``weights``: `WeightsError` for another target or no file)."""
+    if not name.startswith("eagle"):
+        return None
+    if name == "eagle:random":
+        cfg = EagleConfig.for_target(weights.config)
+        return init_eagle(cfg, weights.device, weights.dtype)
+    if name != "eagle":
+        raise SystemExit(f"unknown draft source {name!r}: use eagle or eagle:random")
+    return load_eagle(path, weights) if path else load_shipped_eagle(weights)
+
+
 def _weights(model, device, dtype) -> ModelWeights:
-    """The shipped trained weights of a trained preset (``tiny-trained``), else random."""
-    if shipped_path(model.name) is not None:
+    """The shipped trained weights of a trained preset (a `WeightsError` if its file is not
+    there: never random weights under a trained name), else random."""
+    if model.name in SHIPPED:
         return load_shipped(model, device, dtype)
     return init_weights(model, device, dtype)
 
@@ -138,13 +170,14 @@ def time_runner(runner: Runner, prompts: list[list[int]], new_tokens: int):
     return timed_pass(runner, prompts, new_tokens)
 
 
-def check(s: Setup, weights: ModelWeights, batch, prompts, names, ks, check_tokens) -> None:
+def check(s: Setup, weights: ModelWeights, batch, prompts, names, ks, check_tokens, heads) -> None:
     """Greedy equality of every (source, k) with the plain runner, in ``weights.dtype``."""
     plain = generate(make_runner(s, weights, batch, None, None), prompts, s.new_tokens)
     table = {tuple(p): o for p, o in zip(prompts, plain)}
     for name in names:
         for k in ks:
-            runner = make_runner(s, weights, batch, k, source(name, table, seed=k))
+            draft = source(name, table, k, heads.get(name))
+            runner = make_runner(s, weights, batch, k, draft)
             got = generate(runner, prompts, check_tokens)
             bad = [i for i, (g, o) in enumerate(zip(got, plain)) if g != o[:check_tokens]]
             if bad:
@@ -166,7 +199,10 @@ def main() -> int:
     ap.add_argument("--check-dtype", default="auto", help="auto: fp32 cuda, fp64 cpu")
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--ks", default="1,3,5")
-    ap.add_argument("--sources", default="oracle:1.0,oracle:0.8,oracle:0.5,oracle:0.0,mtp")
+    ap.add_argument("--sources", "--draft", dest="sources",
+                    default="oracle:1.0,oracle:0.8,oracle:0.5,oracle:0.0,mtp",
+                    help="draft sources: oracle:RATE, mtp, eagle, eagle:random")  # fmt: skip
+    ap.add_argument("--eagle-weights", help="eagle: this head file instead of the shipped one")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--check-tokens", type=int, default=24)
@@ -198,6 +234,8 @@ def main() -> int:
     torch.manual_seed(args.seed)
     weights = _weights(model, device, dtype)
     check_weights = weights if check_dtype == dtype else _weights(model, device, check_dtype)
+    heads = {n: eagle_head(n, weights, args.eagle_weights) for n in names}
+    check_heads = {n: eagle_head(n, check_weights, args.eagle_weights) for n in names}
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"# {model.name} {model.compress_ratios} + MTP, {dtype} on {name}, "
           f"{torch.get_num_threads()} threads; prompt {args.prompt_len}, "
@@ -209,7 +247,7 @@ def main() -> int:
     rng = np.random.default_rng(args.seed)
     for batch in (int(x) for x in args.batches.split(",")):
         prompts = _prompts(args.prompts, rng, batch, args.prompt_len)
-        check(s, check_weights, batch, prompts, names, ks, args.check_tokens)
+        check(s, check_weights, batch, prompts, names, ks, args.check_tokens, check_heads)
         plain_runner = make_runner(s, weights, batch, None, None)
         plain, plain_s, plain_tokens = time_runner(plain_runner, prompts, args.new_tokens)
         del plain_runner
@@ -217,7 +255,8 @@ def main() -> int:
         table = {tuple(p): o for p, o in zip(prompts, plain)}  # the timing dtype's own greedy
         for src in names:
             for k in ks:
-                runner = make_runner(s, weights, batch, k, source(src, table, seed=k))
+                draft = source(src, table, k, heads.get(src))
+                runner = make_runner(s, weights, batch, k, draft)
                 out, sec, tokens = time_runner(runner, prompts, args.new_tokens)
                 assert runner.spec is not None
                 st = runner.spec.stats

@@ -5,6 +5,8 @@ file round-trips and refuses another target; the shared trained preset fails lou
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,7 +37,7 @@ from adapters.training.loop import TrainConfig, train
 #: window 16, C4 + C16: short prompts cross windows and groups
 CFG = preset("tiny", **SMALL, window=16, compress_ratios=(0, 4, 16, 4))
 CORPUS = load_split(FIXTURE_DIR, verify=False)
-TC = TrainConfig(eagle=True, steps=30, batch=4, seq_len=96, lr=3e-3, warmup=3, log_every=10,
+TC = TrainConfig(eagle=True, steps=20, batch=4, seq_len=96, lr=3e-3, warmup=3, log_every=10,
                  eval_bytes=512, eagle_depth=3)  # fmt: skip
 
 
@@ -49,19 +51,19 @@ def _one_thread():
 
 @functools.cache
 def target(dtype=torch.float64):
-    """CFG trained for 10 steps on the fixture (its greedy continuations are text-like: a
-    random-weight target's are random bytes, which no head can learn to predict)."""
+    """CFG trained for 8 steps on the fixture: its distributions favour frequent bytes (a
+    random-weight target's greedy continuations are random bytes, which no head can learn)."""
     if dtype != torch.float32:
         w = target(torch.float32)
         return from_state_dict(CFG, {n: t.to(dtype) for n, t in state_dict(w).items()})
-    tc = TrainConfig(steps=10, batch=4, seq_len=96, lr=3e-3, warmup=2, log_every=5)
+    tc = TrainConfig(steps=8, batch=4, seq_len=96, lr=3e-3, warmup=2, log_every=5)
     return train(tc, CORPUS, torch.device("cpu"), model=CFG, evaluate_at_end=False,
                  log=lambda s: None).weights  # fmt: skip
 
 
 @functools.cache
 def trained():
-    """A head trained for the float32 target on the fixture (30 steps of 4 x 96 bytes)."""
+    """A head trained for the float32 target on the fixture (20 steps of 4 x 96 bytes)."""
     return train_eagle(TC, CORPUS, torch.device("cpu"), target(torch.float32), log=lambda s: None)
 
 
@@ -190,3 +192,20 @@ def test_sampled_speculation_with_the_eagle_head_is_reproducible() -> None:
         runs.append([r.output for r in runner.generate(_prompts(2), params)])
         assert runner.spec is not None and runner.spec.stats.accepted_tokens > 0
     assert runs[0] == runs[1] and all(len(o) == 10 for o in runs[0])
+
+
+def test_the_bench_builds_eagle_sources_and_refuses_a_missing_head(monkeypatch) -> None:
+    path = Path(__file__).resolve().parents[1] / "bench/speculative.py"
+    spec = importlib.util.spec_from_file_location("bench_speculative_eagle", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_speculative_eagle", bench)  # its dataclasses need it
+    spec.loader.exec_module(bench)
+    head = bench.eagle_head("eagle:random", target(), None)
+    assert isinstance(bench.source("eagle:random", {}, 0, head), EagleDraft)
+    assert bench.eagle_head("mtp", target(), None) is None
+    with pytest.raises(WeightsError, match="no shipped EAGLE head"):
+        bench.eagle_head("eagle", target(), None)  # CFG has none: never a random head instead
+    if not weights_file.SHIPPED["tiny-shared-trained"].path.exists():
+        with pytest.raises(WeightsError, match="not there"):
+            bench._weights(preset("tiny-shared-trained"), "cpu", torch.float32)

@@ -17,17 +17,39 @@ from adapters.model.model_config import ModelConfig
 from adapters.model.weights import Compressor, ModelWeights
 
 
-def _group_rows(rows: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
-    """``(G, R, F)`` rows of every complete group; with overlap each group is preceded by the
-    previous group's rows (a padding group of kv 0 / score -inf before group 0)."""
-    num_groups = rows.shape[0] // ratio
-    grouped = rows[: num_groups * ratio].view(num_groups, ratio, rows.shape[-1])
+def group_rows(rows: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
+    """``(..., G, R, F)`` rows of every complete group of ``rows (..., T, F)``; with overlap
+    each group is preceded by the previous group's rows (a padding group of kv 0 / score -inf
+    before group 0)."""
+    num_groups, width = rows.shape[-2] // ratio, rows.shape[-1]
+    grouped = rows[..., : num_groups * ratio, :].reshape(*rows.shape[:-2], num_groups, ratio, width)
     if not overlap:
         return grouped
-    pad = torch.zeros_like(grouped[:1])
-    pad[..., rows.shape[-1] // 2 :] = float("-inf")
-    previous = torch.cat((pad, grouped[:-1]), dim=0)
-    return torch.cat((previous, grouped), dim=1)
+    pad = torch.zeros_like(grouped[..., :1, :, :])
+    pad[..., width // 2 :] = float("-inf")
+    previous = torch.cat((pad, grouped[..., :-1, :, :]), dim=-3)
+    return torch.cat((previous, grouped), dim=-2)
+
+
+_group_rows = group_rows  # the name `replay_reference` imports
+
+
+def source_entries(keys, layer: LayerInput) -> torch.Tensor:
+    """The compressed entries ``layer`` reads, for a whole-sequence key source (`DenseKeys`,
+    `adapters.training.keys.TrainKeys`: ``keys.cfg``, ``keys.entries``, ``keys.index_keys``,
+    ``keys.compress``): a KV source compresses its input and publishes the entries (C4: and
+    its indexer keys, from the *detached* input: the indexer learns from its own loss only);
+    a consumer reads what its source published."""
+    i, ratio = layer.index, layer.weights.ratio
+    source = keys.cfg.kv_source_of(i)
+    if source == i:
+        comp, idx = layer.weights.compressor, layer.weights.indexer
+        assert comp is not None
+        keys.entries[i] = keys.compress(layer.x, comp, ratio)
+        if keys.cfg.is_sparse(ratio):
+            assert idx is not None and idx.compressor is not None
+            keys.index_keys[i] = keys.compress(layer.x.detach(), idx.compressor, ratio)
+    return keys.entries[source]  # type: ignore[no-any-return]
 
 
 class DenseKeys:
@@ -61,7 +83,7 @@ class DenseKeys:
             raise ValueError("a compressing layer must run over the whole sequence")
         positions = torch.arange(x.shape[0], device=x.device)
         rows = ops.compressor_rows(x, comp, positions)
-        grouped = _group_rows(rows, ratio, self.cfg.is_overlap(ratio))
+        grouped = group_rows(rows, ratio, self.cfg.is_overlap(ratio))
         groups = torch.arange(grouped.shape[0], device=x.device)
         return compress_rows(self.cfg, grouped, ratio, groups, comp.norm, self.cfg.rope_dim).to(
             x.dtype
@@ -97,18 +119,9 @@ class DenseKeys:
         return kv[clamped], (win_pos >= 0) & computed[clamped]
 
     def _source_entries(self, layer: LayerInput) -> torch.Tensor:
-        """The entries ``layer`` reads: its own if it is a KV source (published, with the C4
-        indexer keys), else those its source published."""
-        i, ratio = layer.index, layer.weights.ratio
-        source = self.cfg.kv_source_of(i)
-        if source == i:
-            comp, idx = layer.weights.compressor, layer.weights.indexer
-            assert comp is not None
-            self.entries[i] = self.compress(layer.x, comp, ratio)
-            if self.cfg.is_sparse(ratio):
-                assert idx is not None and idx.compressor is not None
-                self.index_keys[i] = self.compress(layer.x, idx.compressor, ratio)
-        return self.entries[source]
+        """The entries ``layer`` reads (`source_entries`; a subclass may assemble them
+        otherwise: `adapters.distributed.cp.CPKeys`)."""
+        return source_entries(self, layer)
 
     def _selection(self, layer: LayerInput, visible: torch.Tensor):
         """Top-k visible entries per query (indices and validity): the indexer's own when the

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from adapters.model import ops
 from adapters.model.model import LayerInput, compress_rows
 from adapters.model.model_config import ModelConfig
+from adapters.model.reference import group_rows, source_entries
 from adapters.model.weights import Compressor
 
 
@@ -121,7 +122,7 @@ class TrainKeys:
         """Masked logits ``(B, T, H, K)`` and keys ``(B, T, K, d)`` of the compressed entries
         a layer attends to (``None`` before any group is complete)."""
         cfg, ratio = self.cfg, layer.weights.ratio
-        entries = self._source_entries(layer).to(q.dtype)  # (B, G, d)
+        entries = source_entries(self, layer).to(q.dtype)  # (B, G, d)
         if entries.shape[1] == 0:
             return None
         g = torch.arange(entries.shape[1], device=q.device)[None, :]
@@ -143,28 +144,12 @@ class TrainKeys:
         positions = torch.arange(t, device=x.device)
         x = x.to(ops.acc_dtype(x))
         rows = ops.compressor_rows(x.view(b, t, -1), comp, positions)  # (B, T, F)
-        n = t // ratio
-        grouped = rows[:, : n * ratio].reshape(b, n, ratio, rows.shape[-1])
-        if self.cfg.is_overlap(ratio):  # each group after the previous group's rows
-            pad = torch.zeros_like(grouped[:, :1])
-            pad[..., rows.shape[-1] // 2 :] = float("-inf")
-            grouped = torch.cat((torch.cat((pad, grouped[:, :-1]), dim=1), grouped), dim=2)
+        grouped = group_rows(rows, ratio, self.cfg.is_overlap(ratio))  # (B, G, R, F)
+        n = grouped.shape[1]
         groups = torch.arange(n, device=x.device).repeat(b)
         flat = grouped.reshape(b * n, grouped.shape[2], rows.shape[-1])
         entries = compress_rows(self.cfg, flat, ratio, groups, comp.norm, self.cfg.rope_dim)
         return entries.to(x.dtype).view(b, n, entries.shape[-1])
-
-    def _source_entries(self, layer: LayerInput) -> torch.Tensor:
-        i, ratio = layer.index, layer.weights.ratio
-        source = self.cfg.kv_source_of(i)
-        if source == i:
-            comp, idx = layer.weights.compressor, layer.weights.indexer
-            assert comp is not None
-            self.entries[i] = self.compress(layer.x, comp, ratio)
-            if self.cfg.is_sparse(ratio):
-                assert idx is not None and idx.compressor is not None
-                self.index_keys[i] = self.compress(layer.x.detach(), idx.compressor, ratio)
-        return self.entries[source]
 
     # -- the indexer --------------------------------------------------------------------------
 
