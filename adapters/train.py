@@ -18,6 +18,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ from .training.eagle import train_eagle
 from .training.loop import TrainConfig, TrainResult, train
 
 #: the smoke run (CPU) and the real run (one H200: about 8 minutes, docs/training.md)
-PROFILES = {
+PROFILES: dict[str, dict[str, Any]] = {
     "cpu": dict(steps=8, batch=2, seq_len=256, warmup=2, log_every=2, eval_bytes=2 * 1024),
     "cuda": dict(steps=3000, batch=16, seq_len=2048, warmup=200, log_every=100),
     # an EAGLE head: a small layer over a frozen target (about 4x cheaper a step than the model)
