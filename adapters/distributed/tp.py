@@ -25,8 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from adapters.distributed.cp_comm import Comm
-from adapters.model import ops
-from adapters.model.model import KeySource, LayerInput, embed, head_logits
+from adapters.model.model import KeySource, LayerInput, embed, head_logits, layer_forward
 from adapters.model.model_config import ModelConfig
 from adapters.model.weights import LayerWeights, ModelWeights
 
@@ -138,20 +137,7 @@ def tp_layer_forward(
 ) -> torch.Tensor:
     """`adapters.model.model.layer_forward` with ``lw`` sharded by heads: the same maths,
     plus the all-reduce of the output projection's partial sums before the residual merge."""
-    n = streams.shape[0]
-    x, post, res = ops.hc_mix(streams, lw.hc_attn, cfg.sinkhorn_iters, cfg.norm_eps)
-    xn = ops.rms_norm(x, lw.attn_norm, cfg.norm_eps)
-    q = (xn @ lw.w_q).view(n, -1, cfg.head_dim)
-    q = ops.rope(q, positions, cfg.rope_dim, cfg.rope_theta, inplace=True)
-    kv = ops.rms_norm(xn @ lw.w_kv, lw.kv_norm, cfg.norm_eps)
-    kv = ops.rope(kv, positions, cfg.rope_dim, cfg.rope_theta, inplace=True)
-    attn = keys.attend(LayerInput(index, lw, xn, q, kv, positions))
-    attn = ops.rope(attn, positions, cfg.rope_dim, cfg.rope_theta, inverse=True, inplace=True)
-    out = comm.all_reduce_sum(attn.reshape(n, -1) @ lw.w_o)
-    streams = ops.hc_merge(streams, out, post, res)
-    x, post, res = ops.hc_mix(streams, lw.hc_ffn, cfg.sinkhorn_iters, cfg.norm_eps)
-    y = ops.swiglu(ops.rms_norm(x, lw.ffn_norm, cfg.norm_eps), lw.w_gate, lw.w_up, lw.w_down)
-    return ops.hc_merge(streams, y, post, res)
+    return layer_forward(cfg, index, lw, streams, positions, keys, comm.all_reduce_sum)
 
 
 @torch.no_grad()

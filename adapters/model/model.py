@@ -8,6 +8,7 @@ can get wrong lives behind that seam.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,11 +59,15 @@ def layer_forward(
     streams: torch.Tensor,
     positions: torch.Tensor,
     keys: KeySource,
+    reduce_out: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    """One layer over the residual ``streams``. ``reduce_out``: applied to the attention's
+    output projection before the residual merge (tensor parallelism sums the ranks' partial
+    products there, `adapters.distributed.tp`); the head count follows ``lw.w_q``."""
     n = streams.shape[0]
     x, post, res = ops.hc_mix(streams, lw.hc_attn, cfg.sinkhorn_iters, cfg.norm_eps)
     xn = ops.rms_norm(x, lw.attn_norm, cfg.norm_eps)
-    q = (xn @ lw.w_q).view(n, cfg.num_heads, cfg.head_dim)
+    q = (xn @ lw.w_q).view(n, -1, cfg.head_dim)
     # q, kv and attn are fresh tensors: each is rotated in place
     q = ops.rope(q, positions, cfg.rope_dim, cfg.rope_theta, inplace=True)
     kv = ops.rms_norm(xn @ lw.w_kv, lw.kv_norm, cfg.norm_eps)
@@ -70,7 +75,8 @@ def layer_forward(
     attn = keys.attend(LayerInput(index, lw, xn, q, kv, positions))
     # K = V carries RoPE in its last channels: rotate the output back to position-free values.
     attn = ops.rope(attn, positions, cfg.rope_dim, cfg.rope_theta, inverse=True, inplace=True)
-    streams = ops.hc_merge(streams, attn.reshape(n, -1) @ lw.w_o, post, res)
+    out = attn.reshape(n, -1) @ lw.w_o
+    streams = ops.hc_merge(streams, out if reduce_out is None else reduce_out(out), post, res)
     x, post, res = ops.hc_mix(streams, lw.hc_ffn, cfg.sinkhorn_iters, cfg.norm_eps)
     y = ops.swiglu(ops.rms_norm(x, lw.ffn_norm, cfg.norm_eps), lw.w_gate, lw.w_up, lw.w_down)
     return ops.hc_merge(streams, y, post, res)
