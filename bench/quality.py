@@ -45,6 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from adapters.engine.batch import with_every_row  # noqa: E402
 from adapters.engine.runner import GenerationResult, Runner  # noqa: E402
 from adapters.engine.sampling import SamplingParams  # noqa: E402
 from adapters.memory.device import resolve_device  # noqa: E402
@@ -68,28 +69,16 @@ class ScoringRunner(Runner):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.scores: dict[int, dict[int, float]] = {}
-        self._in_prefill = False
+        self.scheduler.logit_rows = with_every_row  # every row of every chunk
+        self._prefill_done = self.emission.prefill_done
+        self.emission.prefill_done = self._scored  # type: ignore[method-assign]
 
-    @staticmethod
-    def _logit_spans(seqs, chunks, last):  # every row of every chunk
-        ends = torch.tensor([len(c) for c in chunks]).cumsum(0).tolist()
-        return [range(end - len(c), end) for c, end in zip(chunks, ends)]
-
-    def _run_prefill(self, seqs, chunks):
-        self._in_prefill = True
-        try:
-            return super()._run_prefill(seqs, chunks)
-        finally:
-            self._in_prefill = False
-
-    def _forward(self, seqs, chunks, alloc, rows, plans=None):
-        logits = super()._forward(seqs, chunks, alloc, rows, plans)
-        if self._in_prefill and len(rows) == sum(len(c) for c in chunks):
-            blocks = torch.split(logits, [len(c) for c in chunks])
-            for seq, start, block in zip(seqs, alloc.starts, blocks):
-                got = self.scores.setdefault(seq.result.request_id, {})
-                got.update(token_logprobs(seq.result.prompt, start, block))
-        return logits
+    def _scored(self, batch, logits):
+        blocks = torch.split(logits, [len(c) for c in batch.chunks])
+        for seq, start, block in zip(batch.seqs, batch.plan.starts, blocks):
+            got = self.scores.setdefault(seq.result.request_id, {})
+            got.update(token_logprobs(seq.result.prompt, start, block))
+        return self._prefill_done(batch, logits)
 
 
 def token_logprobs(prompt: list[int], start: int, logits: torch.Tensor) -> dict[int, float]:

@@ -48,12 +48,14 @@ class LogitTap(Runner):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.first_logits: dict[int, torch.Tensor] = {}
+        self._emit_all = self.emission.emit_all
+        self.emission.emit_all = self._tapped  # type: ignore[method-assign]
 
-    def _emit_all(self, seqs, logits: torch.Tensor) -> list[GenerationResult]:
+    def _tapped(self, seqs, logits: torch.Tensor) -> list[GenerationResult]:
         for seq, row in zip(seqs, logits):
             if not seq.result.output:
                 self.first_logits[seq.result.request_id] = row.float().cpu()
-        return super()._emit_all(seqs, logits)
+        return self._emit_all(seqs, logits)
 
 
 @dataclass(frozen=True)
