@@ -95,6 +95,7 @@ def model_weights(name: str, device: torch.device, dtype: torch.dtype):
 
 
 def run(args: argparse.Namespace) -> dict:
+    meta = run_meta()  # the commit that runs, before anything can move HEAD
     device = resolve_device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     docs = heldout_docs(Path(args.data), args.docs, args.context)
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
                 rows.append(dict(model=name, doc=d, buffer=buffer, equal=out == exact, **stats))
                 print(json.dumps(rows[-1]), flush=True)
             print(f"# {name} doc {d}: {time.perf_counter() - t0:.1f} s", flush=True)
-    return dict(meta=run_meta(), config=vars(args), rows=rows)
+    return dict(meta=meta, config=vars(args), rows=rows)
 
 
 def table(report: dict) -> str:
