@@ -7,8 +7,10 @@ tiers so that the tail window of every branch goes last::
     node pages  [ tombstoned | tier 0 (head)         | tier 1 (tail window) | protected )
                              ^ live_from             ^ tail_from            ^ protect_from
 
-Keys are ``(last_access, id)`` / ``(tier, last_access, id)``; the oldest is the smallest. Each
-pool keeps its keys in a binary heap with lazy deletion: a node's current keys are
+Keys are ints ordered as ``(last_access, id)`` / ``(tier, last_access, id)`` would be
+(`full_key`, `swa_key`: one int compare per heap step instead of a tuple's); the oldest is the
+smallest, and a key's low `ID_BITS` bits are its node's id. Each pool keeps its keys in a binary
+heap with lazy deletion: a node's current keys are
 ``node.lru_keys``, and a heap entry that is not among them any more (the node was touched,
 locked, tombstoned or removed since) is stale and skipped when it reaches the top. So a key
 change costs one C-level ``heappush`` and nothing for the key it replaces, a lookup of the
@@ -31,6 +33,30 @@ from .errors import require
 from .node import Node
 
 _NO_ACCT = (0, 0, 0, 0)
+#: a key's low bits: its node's id (node ids count up from 0 in one process)
+ID_BITS = 40
+_ID_MASK = (1 << ID_BITS) - 1
+#: the tier bits of SWA keys, above any stamp (< 2**62): tier 0 < tier 1, and both above
+#: every full key, so a node's full key is never mistaken for one of its SWA keys
+_STAMP_BITS = 62 + ID_BITS
+_TIER0 = 2 << _STAMP_BITS
+_TIER1 = 3 << _STAMP_BITS
+
+
+def full_key(last_access: int, node_id: int) -> int:
+    """The full pool's key of a leaf: ordered as ``(last_access, node_id)``."""
+    return last_access << ID_BITS | node_id
+
+
+def swa_key(tier: int, last_access: int, node_id: int) -> int:
+    """An SWA tier's key: ordered as ``(tier, last_access, node_id)``."""
+    return (_TIER1 if tier else _TIER0) | last_access << ID_BITS | node_id
+
+
+def is_full_key(key: int) -> bool:
+    return key < _TIER0
+
+
 #: compact the heaps once they hold this many entries more than twice the most live keys (a
 #: node has at most three: a full key and one per SWA tier)
 _SLACK = 1024
@@ -42,9 +68,9 @@ class LruIndex:
         self.window = window
         #: a node's last ``window`` tokens meet its last this many pages
         self._window_pages = slots.tail_window_pages(window, page_size)
-        #: heaps of ``(last_access, id)`` and ``(tier, last_access, id)``, stale entries included
-        self._full: list[tuple[int, ...]] = []
-        self._swa: list[tuple[int, ...]] = []
+        #: heaps of `full_key` and `swa_key` ints, stale entries included
+        self._full: list[int] = []
+        self._swa: list[int] = []
         self._nodes: dict[int, Node] = {}
         self._dirty: dict[int, Node] = {}
         #: full evictable, full protected, SWA evictable, SWA protected pages
@@ -79,13 +105,13 @@ class LruIndex:
         return self._nodes
 
     @property
-    def full(self) -> list[tuple[int, ...]]:
+    def full(self) -> list[int]:
         """The full pool's heap (stale entries included)."""
         self.flush()
         return self._full
 
     @property
-    def swa(self) -> list[tuple[int, ...]]:
+    def swa(self) -> list[int]:
         """The SWA pool's heap (stale entries included)."""
         self.flush()
         return self._swa
@@ -130,11 +156,12 @@ class LruIndex:
         self._counts[2] -= num_pages
         if tail == live_from or tail == protect:  # a tier emptied: its key goes
             keys = node.lru_keys
-            kept: tuple[tuple[int, ...], ...] = keys[:1] if keys and len(keys[0]) == 2 else ()
+            kept: tuple[int, ...] = keys[:1] if keys and keys[0] < _TIER0 else ()
+            stamp = node.last_access << ID_BITS | nid
             if tail > live_from:
-                kept += ((0, node.last_access, nid),)
+                kept += (_TIER0 | stamp,)
             if protect > tail:
-                kept += ((1, node.last_access, nid),)
+                kept += (_TIER1 | stamp,)
             node.lru_keys = kept
 
     def child_removed(self, node: Node) -> None:
@@ -146,7 +173,7 @@ class LruIndex:
             return
         if node.parent is None or node.children or node.full_lock_ref:
             return  # a root, not a leaf yet, or locked: nothing it is indexed by changed
-        key = (node.last_access, nid)
+        key = node.last_access << ID_BITS | nid
         if key not in node.lru_keys:
             node.lru_keys = (key, *node.lru_keys)
             heappush(self._full, key)
@@ -189,17 +216,18 @@ class LruIndex:
         elif tail > protect:
             tail = protect
         node.lru_tiers = (tail, protect, live_from)
-        stamp, nid = node.last_access, node.id
+        stamp = node.last_access << ID_BITS | node.id
         if node.full_lock_ref:
             acct = (0, nv, protect - live_from, nv - protect)
-            keys: tuple[tuple[int, ...], ...] = ()
+            keys: tuple[int, ...] = ()
         else:
             acct = (nv, 0, protect - live_from, nv - protect)
-            keys = () if node.children else ((stamp, nid),)
+            keys = () if node.children else (stamp,)
         if tail > live_from:
-            keys += ((0, stamp, nid),)
+            keys += (_TIER0 | stamp,)
         if protect > tail:
-            keys += ((1, stamp, nid),)
+            keys += (_TIER1 | stamp,)
+        nid = node.id
         old, was = node.lru_keys, node.acct
         if keys == old and acct == was and nid in self._nodes:
             return
@@ -214,7 +242,7 @@ class LruIndex:
         pushed = False
         for key in keys:
             if key not in old:
-                heappush(self._full if len(key) == 2 else self._swa, key)
+                heappush(self._full if key < _TIER0 else self._swa, key)
                 pushed = True
         if pushed and len(self._full) + len(self._swa) > 6 * len(self._nodes) + _SLACK:
             self._compact()
@@ -229,20 +257,21 @@ class LruIndex:
 
     # -- lookups -------------------------------------------------------------------------------
 
-    def _is_live(self, key: tuple[int, ...]) -> bool:
-        node = self._nodes.get(key[-1])
+    def _is_live(self, key: int) -> bool:
+        node = self._nodes.get(key & _ID_MASK)
         return node is not None and key in node.lru_keys
 
-    def _oldest(self, heap: list[tuple[int, ...]]) -> Node | None:
+    def _oldest(self, heap: list[int]) -> Node | None:
+        nodes = self._nodes
         while heap:
             key = heap[0]
-            node = self._nodes.get(key[-1])
+            node = nodes.get(key & _ID_MASK)
             if node is not None and key in node.lru_keys:
                 return node
             heappop(heap)
         return None
 
-    def live_keys(self) -> tuple[set[tuple[int, ...]], set[tuple[int, ...]]]:
+    def live_keys(self) -> tuple[set[int], set[int]]:
         """The current (full, SWA) keys, stale heap entries left out."""
         self.flush()
         return set(filter(self._is_live, self._full)), set(filter(self._is_live, self._swa))

@@ -64,7 +64,8 @@ class Node:
         self.last_access = 0
         #: (full evictable, full protected, swa evictable, swa protected) pages, as indexed
         self.acct = (0, 0, 0, 0)
-        self.lru_keys: tuple[tuple[int, ...], ...] = ()
+        #: its LRU heap keys as last indexed (a `lru.full_key` first if any, then `lru.swa_key`s)
+        self.lru_keys: tuple[int, ...] = ()
         #: ``(tier0_end, tier1_end, live_from)`` as last indexed (`LruIndex.tiers`)
         self.lru_tiers = (0, 0, 0)
         #: computed downstream of a bounded replay (not bit-identical to a cold prefill)

@@ -12,7 +12,7 @@ import numpy as np
 
 from .errors import require
 from .events import EventLog, namespace_seed
-from .lru import LruIndex
+from .lru import LruIndex, is_full_key
 from .node import EMPTY, Node
 
 
@@ -249,4 +249,7 @@ class RadixTree:
             require(n.key == tuple(n.tokens[:p].tolist()), f"{n}: key is not its first page")
             require(len(n.swa_pages) <= n.num_pages, f"{n}: more SWA than pages")
             if not n.children and not n.full_lock_ref:
-                require(n.lru_keys and len(n.lru_keys[0]) == 2, f"{n}: evictable leaf not indexed")
+                require(
+                    bool(n.lru_keys) and is_full_key(n.lru_keys[0]),
+                    f"{n}: evictable leaf not indexed",
+                )

@@ -19,6 +19,7 @@ from shadowradix import (
 )
 from shadowradix.allocator import PageAllocator
 from shadowradix.config import split_budget
+from shadowradix.lru import full_key
 
 SMALL = dict(page_size=4, window=8, compress_ratios=(4, 0), overlap_ratios=(4,),
              full_capacity=256, swa_capacity=64)  # fmt: skip
@@ -181,7 +182,7 @@ def _corrupt_lock_count(cache, a, b):
 def _corrupt_lru_keys(cache, a, b):
     index = cache._index
     node = index.oldest_full_leaf()
-    stale = (node.lru_keys[0][0] + 1000, node.id)  # a stale recency stamp
+    stale = full_key(node.last_access + 1000, node.id)  # a stale recency stamp
     node.lru_keys = (stale, *node.lru_keys[1:])
     heapq.heappush(index.full, stale)
 
