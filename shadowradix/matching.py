@@ -4,8 +4,9 @@ taken earlier still be admitted after the tree changed elsewhere."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,6 +19,10 @@ from .validation import TokenInput, as_tokens
 
 if TYPE_CHECKING:
     from .config import CacheConfig
+
+#: `MatchResult`'s ``__init__`` fields, in order (`_sealed` fills them without the frozen
+#: ``__init__``'s per-field ``object.__setattr__``)
+_MATCH_FIELDS = tuple(f.name for f in dataclasses.fields(MatchResult) if f.init)
 
 
 class PrefixMatching:
@@ -48,8 +53,8 @@ class PrefixMatching:
                 raise InvalidRequestError(f"max_len must be an int, got {max_len!r}")
             if max_len < 0:
                 raise InvalidRequestError(f"max_len must be >= 0, got {max_len}")
-            arr = arr[:max_len]
-        return self._match(arr, self._hashable(namespace))
+            return self._match(arr[:max_len], self._hashable(namespace), arr)
+        return self._match(arr, self._hashable(namespace), arr)
 
     @staticmethod
     def _hashable(namespace: Hashable) -> Hashable:
@@ -59,8 +64,10 @@ class PrefixMatching:
             raise InvalidRequestError(f"namespace must be hashable, got {namespace!r}") from None
         return namespace
 
-    def _match(self, arr: np.ndarray, namespace: Hashable) -> MatchResult:
-        """`match_prefix` of validated tokens."""
+    def _match(
+        self, arr: np.ndarray, namespace: Hashable, source: np.ndarray | None = None
+    ) -> MatchResult:
+        """`match_prefix` of validated tokens (``arr``: ``source`` or a prefix of it)."""
         root = self._tree.root_of(namespace)
         walk = self._tree.walk(arr, start=root)
         cached_len = walk.num_pages * self.config.page_size
@@ -70,45 +77,47 @@ class PrefixMatching:
         if self.config.bounded_replay and replay_gain > prefix_len:
             return self._sealed(
                 walk.nodes[-1],
-                MatchResult(
-                    len(arr),
-                    cached_len,
-                    cached_len,
-                    replay_gain,
-                    WindowSource.REPLAY,
-                    replay_gain,
-                    walk.nodes[-1],
-                    walk.last_pages,
-                    self._tree.version,
-                    arr,
-                    True,
-                    self,
-                    namespace,
-                ),
-            )
-        source = WindowSource.LIVE if prefix_len else WindowSource.NONE
-        return self._sealed(
-            walk.nodes[-1] if walk.nodes else root,
-            MatchResult(
+                source,
                 len(arr),
                 cached_len,
-                prefix_len,
-                prefix_len,
-                source,
-                None,
-                node,
-                node_pages,
+                cached_len,
+                replay_gain,
+                WindowSource.REPLAY,
+                replay_gain,
+                walk.nodes[-1],
+                walk.last_pages,
                 self._tree.version,
                 arr,
-                self._any_approximate(walk, node),
+                True,
                 self,
                 namespace,
-            ),
+            )
+        window = WindowSource.LIVE if prefix_len else WindowSource.NONE
+        return self._sealed(
+            walk.nodes[-1] if walk.nodes else root,
+            source,
+            len(arr),
+            cached_len,
+            prefix_len,
+            prefix_len,
+            window,
+            None,
+            node,
+            node_pages,
+            self._tree.version,
+            arr,
+            self._any_approximate(walk, node),
+            self,
+            namespace,
         )
 
-    def _sealed(self, walk_end: Node, match: MatchResult) -> MatchResult:
-        object.__setattr__(match, "_seal", self)
-        object.__setattr__(match, "_walk_end", walk_end)
+    def _sealed(self, walk_end: Node, source: object, *values: Any) -> MatchResult:
+        """The `MatchResult` of ``values`` (its ``__init__`` fields in order), sealed by this
+        cache, as ``MatchResult(*values)`` with ``_seal``, ``_walk_end``, ``_source`` set."""
+        match = object.__new__(MatchResult)
+        fields = match.__dict__
+        fields.update(zip(_MATCH_FIELDS, values))
+        fields["_seal"], fields["_walk_end"], fields["_source"] = self, walk_end, source
         return match
 
     @staticmethod
@@ -181,7 +190,9 @@ class PrefixMatching:
         n, matched = match.prefix_len, match.tokens
         # the array the match was taken from (as `admit(prompt, match_prefix(prompt))` passes
         # it) starts with its own prefix, whatever it holds: only another array is compared
-        if len(arr) < n or (arr is not matched and not (arr[:n] == matched[:n]).all()):
+        if len(arr) < n or (
+            arr is not matched and arr is not match._source and not (arr[:n] == matched[:n]).all()
+        ):
             raise InvalidRequestError("tokens do not start with the matched prefix")
 
     def _revalidated(self, match: MatchResult) -> MatchResult | None:
@@ -206,11 +217,10 @@ class PrefixMatching:
             up = up.parent
         end = (match.cached_len if match.is_replay else match.prefix_len) // p
         at = _containing(node, end)
-        fresh = MatchResult(match.query_len, match.cached_len, match.prefix_len, match.hit_len,
-                            match.window, match.replay_start, at, end - at.start_page,
-                            self._tree.version, match.tokens, match.approximate, self,
-                            match.namespace)  # fmt: skip
-        return self._sealed(node, fresh)
+        return self._sealed(node, match._source, match.query_len, match.cached_len,
+                            match.prefix_len, match.hit_len, match.window, match.replay_start,
+                            at, end - at.start_page, self._tree.version, match.tokens,
+                            match.approximate, self, match.namespace)  # fmt: skip
 
 
 def _containing(node: Node, end_page: int) -> Node:

@@ -58,6 +58,9 @@ class MatchResult:
     #: the deepest node the match walked into (the root when none), set with ``_seal``: from
     #: it `admit` re-checks the path instead of walking the tokens again
     _walk_end: Node | None = field(init=False, repr=False, default=None, compare=False)
+    #: the validated array ``tokens`` was cut from (``max_len``), set with ``_seal``: `admit`
+    #: given that very array skips comparing the prefix with itself
+    _source: object = field(init=False, repr=False, default=None, compare=False)
 
     @property
     def replayed_len(self) -> int:
