@@ -49,13 +49,19 @@ SHIPPED: dict[str, ShippedWeights] = {
         "tiny-trained.safetensors",
         "9aa7e6cfa88838d87fa7d245e6e216bfe9068bfe1d878036212a723ef79ed816",
     ),
-    # tiny-shared's layout, trained (the GPU run of docs/training.md writes it)
-    "tiny-shared-trained": ShippedWeights("tiny-shared-trained.safetensors", None),
+    # tiny-shared's layout, trained (bench/sessions/issue15_d.sh, docs/training.md)
+    "tiny-shared-trained": ShippedWeights(
+        "tiny-shared-trained.safetensors",
+        "c73e6e577a036bbbda4656ef22894f02c0e60bf7cae575cdeb8ea4b3d19ba125",
+    ),
 }
 
 #: the EAGLE draft heads (`adapters.model.eagle`), by the preset of the target they read
 SHIPPED_EAGLE: dict[str, ShippedWeights] = {
-    "tiny-trained": ShippedWeights("tiny-trained-eagle.safetensors", None),
+    "tiny-trained": ShippedWeights(
+        "tiny-trained-eagle.safetensors",
+        "283facc947620aac25febd63e1498a81885a2f3f0dcb05507c9887fca042c7de",
+    ),
 }
 
 
