@@ -72,6 +72,9 @@ def test_run_prompts_from_arguments_and_file(
         (["run", "x", "--pool-budget-gib", "1", "--swa-tokens", "4096"], "drop --full-tokens"),
         (["run", "x", "--pool-budget-gib", "1", "--hisparse-pages", "8"], "HiSparse"),
         (["run", "x", "--swa-full-ratio", "0.5"], "--swa-full-ratio needs --pool-budget-gib"),
+        (["run", "x", "--draft", "eagle"], "--draft needs --speculative K"),
+        (["run", "x", "--model", "tiny", "--speculative", "2", "--draft", "eagle"],
+         "an EAGLE head needs trained weights"),
         (["demo", "--page-size", "3"], "page_size must be one of"),
         (["demo", "--conversations", "0"], "--conversations: 0 is below 1"),
         (["demo", "--turns", "0"], "--turns: 0 is below 1"),
@@ -151,6 +154,8 @@ def test_cli_speculative(capsys) -> None:
     assert "speculative decoding: k=2" in out and "mean acceptance length" in out
     assert main(argv + ["--speculative", "2", "--bounded-replay"]) == 2
     assert "speculative" in capsys.readouterr().err
+    assert main(argv + ["--speculative", "2", "--draft", "eagle"]) == 0
+    assert "speculative decoding: k=2 (EAGLE head)" in capsys.readouterr().out
 
 
 def test_a_refused_prompt_does_not_stop_the_others(capsys: pytest.CaptureFixture[str]) -> None:

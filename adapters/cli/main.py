@@ -123,6 +123,12 @@ def add_run_parser(sub) -> None:
         "at --temperature > 0)",
     )
     run.add_argument(
+        "--draft",
+        choices=("mtp", "eagle"),
+        help="with --speculative: the draft source, the model's MTP layer (default) or the "
+        "preset's shipped EAGLE head (tiny-trained)",
+    )
+    run.add_argument(
         "--schedule",
         choices=("lpm", "fcfs"),
         default="lpm",

@@ -10,14 +10,23 @@ import torch
 from tqdm import tqdm
 
 from adapters.engine.budget_runner import budget_runner
+from adapters.engine.drafts import DraftSource
+from adapters.engine.eagle_draft import EagleDraft
 from adapters.engine.runner import GenerationResult, Runner, SchedulePolicy
 from adapters.engine.sampling import SamplingParams
 from adapters.memory.device import resolve_device
 from adapters.memory.formats import CacheFormat
+from adapters.model.eagle import load_shipped_eagle
 from adapters.model.model_config import ModelConfig, preset
 from adapters.model.tokenizer import ByteTokenizer
 from adapters.model.weights import ModelWeights
-from adapters.model.weights_file import SHIPPED, default_preset, load_shipped, load_weights
+from adapters.model.weights_file import (
+    SHIPPED,
+    WeightsError,
+    default_preset,
+    load_shipped,
+    load_weights,
+)
 from shadowradix import ConfigError, InvalidRequestError
 
 DEFAULT_FULL_TOKENS, DEFAULT_SWA_TOKENS = 64 * 1024, 8 * 1024
@@ -32,15 +41,17 @@ def build_runner(args: argparse.Namespace) -> Runner:
         model = model.first_layers(args.layers)
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the Runner's default
+    weights = _weights(args, model, device, dtype)
     options = dict(
         device=device,
         dtype=dtype,
-        weights=_weights(args, model, device, dtype),
+        weights=weights,
         chunk_tokens=args.chunk_tokens,
         max_running=args.max_running,
         hisparse_pages=args.hisparse_pages,
         tail_only=args.tail_only,
         speculative_tokens=args.speculative,
+        draft=_draft(args, weights),
         memory_budget=_budget_bytes(args.memory_budget_gib),
         index_format=CacheFormat[args.index_format.upper()],
         swa_format=CacheFormat[args.swa_format.upper()],
@@ -91,6 +102,21 @@ def _weights(
     if model.name in SHIPPED:
         return load_shipped(model, device, dtype)
     return None
+
+
+def _draft(args: argparse.Namespace, weights: ModelWeights | None) -> DraftSource | None:
+    """``--draft eagle``: the shipped EAGLE head of the target's weights (`WeightsError` where
+    the preset has none); ``mtp`` or nothing: the runner's default (the MTP layer)."""
+    name = getattr(args, "draft", None)
+    if name is None or name == "mtp":
+        if name is not None and args.speculative is None:
+            raise ValueError("--draft needs --speculative K")
+        return None
+    if args.speculative is None:
+        raise ValueError("--draft needs --speculative K")
+    if weights is None:
+        raise WeightsError(args.model or "the model", "an EAGLE head needs trained weights")
+    return EagleDraft(load_shipped_eagle(weights))
 
 
 def _weights_source(args: argparse.Namespace, model: ModelConfig) -> str:
@@ -226,6 +252,11 @@ class _Progress:
         self.bar.close()
 
 
+def _draft_name(runner: Runner) -> str:
+    draft = getattr(runner.spec, "draft", None)
+    return "EAGLE head" if isinstance(draft, EagleDraft) else "MTP layer"
+
+
 def _paths_line(runner: Runner) -> str:
     p = runner.paths
     kern = "Triton kernels" if p.kernels == "triton" else "torch references (no fused kernels)"
@@ -278,7 +309,8 @@ def summary(runner: Runner, results: list[GenerationResult], wall: float) -> str
     if runner.spec is not None:
         sp = runner.spec.stats
         lines.append(
-            f"speculative decoding: k={runner.spec_tokens}, {sp.forwards} verify forwards, mean "
+            f"speculative decoding: k={runner.spec_tokens} ({_draft_name(runner)}), "
+            f"{sp.forwards} verify forwards, mean "
             f"acceptance length {sp.mean_acceptance_length:.2f}, acceptance rate "
             f"{sp.acceptance_rate:.1%}, drafting {sp.draft_s:.2f} s"
         )
