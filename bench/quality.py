@@ -23,8 +23,10 @@ computes. Nothing in ``adapters/`` changes.
      the window KV (`adapters.memory.formats.CacheFormat`), the whole document scored;
    * ``hisparse``: C4 KV in a host mirror with a ``--hisparse-pages`` device buffer (exact by
      construction: the delta should be 0);
-   * ``tail-only``: needs a V4.1-shared model; the trained model is unshared, so it is
-     reported as not measurable (the runner's ``ValueError``).
+   * ``tail-only``: needs a V4.1-shared model (``--model tiny-shared-trained``; the unshared
+     model reports the runner's ``ValueError``). Greedy agreement after the whole document
+     prefilled tail-only; the bits of the scored bytes computed in chunks of W after a
+     tail-only prefill of the rest (`tail_only_scores`: skipped rows have no logits to score).
 
     python bench/quality.py                              # CPU, tiny-trained
     python bench/quality.py --device cuda --long-bytes 8192 --json bench/results/quality_h200.json
@@ -199,8 +201,25 @@ def serve_setup(model: ModelConfig, weights: ModelWeights, setup: Setup, doc: by
         serve(runner, tokens[:first], 1)
         runner.cache.evict(swa_tokens=EVERYTHING)
     result, scores = serve(runner, tokens, greedy)
+    if setup.tail_only:
+        scores = tail_only_scores(model, weights, setup, tokens, first, greedy, chunk_tokens)
     bits = -sum(scores[i] for i in range(first, len(tokens))) / LN2
     return Served(bits, result.output, result.approximate, runner.stats.replayed_hits)
+
+
+def tail_only_scores(model: ModelConfig, weights: ModelWeights, setup: Setup, tokens: list[int],
+                     first: int, greedy: int, chunk_tokens: int) -> dict[int, float]:  # fmt: skip
+    """Tail-only is a *decoder-side* approximation: a prefill row it skips has no later-layer
+    state and no logits worth scoring (the runner refuses prompt logprobs with it). So the
+    prefix ``tokens[:first]`` is prefilled tail-only (chunks of ``chunk_tokens`` keep the later
+    layers for their last W tokens only), then the scored bytes are computed in chunks of W,
+    which skip nothing: every scored position runs every layer, as a decode step would, over
+    the approximate state the prefix left. Returns their log-probabilities."""
+    runner = make_runner(model, weights, setup, len(tokens) + greedy + 2, chunk_tokens)
+    serve(runner, tokens[:first], 1)
+    runner.chunk_tokens = model.window  # the scored part: chunks that skip nothing
+    _, scores = serve(runner, tokens, 1)
+    return scores
 
 
 def agreement(a: list[int], b: list[int]) -> tuple[int, float]:
