@@ -54,3 +54,21 @@ def test_an_approximate_format_moves_the_scores(bench, docs) -> None:
     assert exact.bits == again.bits and exact.tokens == again.tokens
     assert math.isfinite(moved.bits) and moved.bits != exact.bits
     assert bench.agreement([1, 2, 3, 4], [1, 2, 5, 4]) == (2, 0.75)
+
+
+def test_tail_only_scores_the_decoder_side_effect(bench) -> None:
+    """Tail-only's scored bytes run every layer over the state a tail-only prefill left: with
+    prefill chunks no longer than the window nothing is skipped and the scores equal the exact
+    runner's; with longer chunks the skipped rows' holes move them."""
+    model = preset("tiny-shared-trained")
+    weights = load_shipped(model, "cpu", torch.float64)
+    doc = bench.heldout_docs(ROOT / "data" / "kjv_fixture", 1, 400)[0]
+    tokens = [bench.BOS, *doc]
+    first = len(tokens) - 64
+    exact = bench.serve_setup(model, weights, bench.Setup("exact"), doc, 64, 1, 256)
+    tail = bench.Setup("tail-only", tail_only=True)
+    short = bench.tail_only_scores(model, weights, tail, tokens, first, 1, model.window)
+    long = bench.tail_only_scores(model, weights, tail, tokens, first, 1, 256)
+    bits = [-sum(s[i] for i in range(first, len(tokens))) / math.log(2) for s in (short, long)]
+    assert bits[0] == pytest.approx(exact.bits, rel=1e-12)
+    assert bits[1] != pytest.approx(exact.bits, rel=1e-6)
