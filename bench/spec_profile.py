@@ -94,6 +94,23 @@ def profiled(runner: Runner, prompts, new_tokens: int, top: int) -> dict:
     )
 
 
+def host_profile(runner: Runner, prompts, new_tokens: int, top: int = 30) -> None:
+    """cProfile of one warm speculative decode: where the host time of a step goes."""
+    import cProfile
+    import pstats
+
+    decode(runner, prefill(runner, prompts, new_tokens))  # warm
+    before = prefill(runner, prompts, new_tokens)
+    prof = cProfile.Profile()
+    prof.enable()
+    steps, _ = decode(runner, before)
+    prof.disable()
+    print(f"host profile over {steps} speculative decode steps (cumulative, then own time):")
+    stats = pstats.Stats(prof)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--k", type=int, default=2)
@@ -101,6 +118,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also print cProfile's top host functions of the speculative decode")
     ap.add_argument("--json")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -119,6 +138,8 @@ def main() -> int:
         for kname, ms in r["top"]:
             print(f"    {ms:8.4f} ms  {kname}")
     ms_per_token = {n: r["wall_ms"] / r["tokens_per_step"] for n, r in rows.items()}
+    if args.host_profile:
+        host_profile(make_runner(model, weights, args, args.k), prompts, args.new_tokens)
     speedup = ms_per_token["plain"] / ms_per_token[f"mtp k={args.k}"]
     print(f"speed-up (ms per token): {speedup:.2f}x")
     if args.json:

@@ -11,7 +11,7 @@ step gpu_equivalence 70 python bench/gpu_equivalence.py --device cuda
 step spec_eagle 200 python bench/speculative.py --model tiny-trained --prompts heldout --device cuda \
   --prompt-len 512 --new-tokens 128 --batches 1,8 --ks 1,2,3 --draft mtp,eagle \
   --json "$OUT/speculative_eagle_h200.json"
-step spec_profile_rope 45 python bench/spec_profile.py --k 2 --json "$OUT/spec_profile_rope_h200.json"
+step spec_profile_rope 60 python bench/spec_profile.py --k 2 --host-profile --json "$OUT/spec_profile_rope_h200.json"
 ADAPTERS_ROPE_KERNELS=0 step spec_profile_norope 45 python bench/spec_profile.py --k 2 \
   --json "$OUT/spec_profile_norope_h200.json"
 step runner_overhead 70 python bench/runner_overhead.py --overlap both --reps 2 \
