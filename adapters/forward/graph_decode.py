@@ -29,6 +29,7 @@ from adapters.memory.block_tables import DeviceTables
 from adapters.memory.device import upload
 from adapters.memory.pools import KVPools
 from adapters.model import ops
+from adapters.model.candidates import Candidates, select_candidates
 from adapters.model.model import LayerInput, compress_rows, forward
 from adapters.model.weights import ModelWeights
 from shadowradix import CacheConfig, PageTableDelta
@@ -88,11 +89,14 @@ class DecodeBuffers:
 class GraphKeys:
     """`KeySource` of one decode step over `graph_meta.StepMeta`. V4.1 sharing as in `PagedKeys`:
     KV-source layers compress, consumers read their source's pools; index sources publish
-    their selection, other C4 layers reuse it."""
+    their selection, other C4 layers reuse it; the candidate source publishes its candidate
+    blocks, later indexer layers of its ratio select among them (`adapters.model.candidates`,
+    no host synchronisation)."""
 
     def __init__(self, weights: ModelWeights, pools: KVPools, meta: StepMeta) -> None:
         self.cfg, self.pools, self.meta = weights.config, pools, meta
         self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.candidates: Candidates | None = None
 
     def attend(self, layer: LayerInput) -> torch.Tensor:
         cfg, m, i = self.cfg, self.meta, layer.index
@@ -177,6 +181,13 @@ class GraphKeys:
         keys = self.pools.index_keys[source]
         w = layer.x @ idx.w_weight
         logits = kernels.index_logits(q, w, keys, rows, key_scale=self.pools.scale_of(keys))
+        if i == cfg.candidate_source:
+            self.candidates = select_candidates(
+                logits, rows.lengths, cfg.candidate_blocks, cfg.candidate_block
+            )
+        if cfg.restricts_to_candidates(i):
+            assert self.candidates is not None
+            logits = self.candidates.restrict(logits)
         k = min(cfg.index_topk, rows.num_rows)
         values, chosen = ops.topk_lowest_index(logits, k, lengths=rows.lengths)
         self.selection[i] = (rows.slots_of(chosen), torch.isfinite(values))

@@ -15,10 +15,11 @@ import numpy as np
 import torch
 
 from adapters import kernels
-from adapters.forward.selection import select_entries
+from adapters.forward.selection import Selection, TopkStep, select_entries
 from adapters.kernels import PoolRows
 from adapters.memory.pools import KVPools
 from adapters.model import ops
+from adapters.model.candidates import Candidates
 from adapters.model.model import LayerInput, compress_rows, forward, forward_tail_only
 from adapters.model.model_config import ModelConfig
 from adapters.model.weights import Compressor, ModelWeights
@@ -203,18 +204,24 @@ class PagedKeys:
     source's pools and compresses nothing. An index-source layer scores against its KV source's
     indexer keys and publishes its selection for the step; other C4 layers reuse it. With
     ``pools.late_swa_valid`` (tail-only), windows of the layers after the last KV source are
-    masked to the SWA slots those layers hold."""
+    masked to the SWA slots those layers hold. The candidate source publishes its candidate
+    blocks, later indexer layers of its ratio select among them. ``topk``: `TopkStep`."""
 
     def __init__(
-        self, model: ModelConfig, pools: KVPools, step: PagedStep, offload: C4Offload | None = None
-    ) -> None:
+        self, model: ModelConfig, pools: KVPools, step: PagedStep,
+        offload: C4Offload | None = None, topk: TopkStep | None = None,
+    ) -> None:  # fmt: skip
         self.model, self.pools, self.step, self.offload = model, pools, step, offload
-        self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.topk = topk
+        self.selection: dict[int, Selection] = {}
+        self.candidates: Candidates | None = None
         self._late_mask: torch.Tensor | None = None
 
     def restrict(self, rows: torch.Tensor) -> PagedKeys:
+        assert self.topk is None, "top-k capture / replay is not run tail-only"
         keys = PagedKeys(self.model, self.pools, self.step.restrict(rows), self.offload)
-        keys.selection = {i: (s[rows], m[rows]) for i, (s, m) in self.selection.items()}
+        keys.selection = {i: s.rows(rows) for i, s in self.selection.items()}
+        keys.candidates = None if self.candidates is None else self.candidates.rows(rows)
         return keys
 
     def attend(self, layer: LayerInput) -> torch.Tensor:
@@ -316,7 +323,8 @@ class PagedKeys:
         for reuse; or the selection of its index source."""
         cfg, i = self.model, layer.index
         if not cfg.runs_indexer(i):
-            return self.selection[cfg.index_source_of(i)]
+            chosen = self.selection[cfg.index_source_of(i)]
+            return chosen.slots, chosen.valid
         idx, source = layer.weights.indexer, cfg.kv_source_of(i)
         assert idx is not None
         if source == i:
@@ -329,11 +337,19 @@ class PagedKeys:
         q = ops.rope(q, layer.positions, cfg.rope_dim, cfg.rope_theta)
         rows = self._entry_rows(ss)
         keys = self.pools.index_keys[source]
-        self.selection[i] = select_entries(
+        publish = (cfg.candidate_blocks, cfg.candidate_block)
+        chosen = select_entries(
             q, layer.x @ idx.w_weight, keys, rows, cfg.index_topk,
             key_scale=self.pools.scale_of(keys),
+            candidates=self.candidates if cfg.restricts_to_candidates(i) else None,
+            publish=publish if i == cfg.candidate_source else None,
+            forced=None if self.topk is None else self.topk.forced.get(i),
         )  # fmt: skip
-        return self.selection[i]
+        self.candidates = chosen.candidates or self.candidates
+        if self.topk is not None:
+            self.topk.selected[i] = chosen
+        self.selection[i] = chosen
+        return chosen.slots, chosen.valid
 
 
 def _as_pool(chosen: torch.Tensor, selected: PoolRows) -> tuple[torch.Tensor, PoolRows]:
@@ -351,11 +367,13 @@ def run_step(
     step: PagedStep,
     logit_rows: torch.Tensor | None,
     offload: C4Offload | None = None,
+    topk: TopkStep | None = None,
 ) -> torch.Tensor:
-    """Runs the layers over the step's new tokens; returns logits of ``logit_rows``."""
+    """Runs the layers over the step's new tokens; returns logits of ``logit_rows``.
+    ``topk``: forced selections in, the step's selections out (`TopkStep`)."""
     if pools.late_swa_valid is not None:  # every layer computes every token
         pools.late_swa_valid[step.swa_slots] = True
-    keys = PagedKeys(weights.config, pools, step, offload)
+    keys = PagedKeys(weights.config, pools, step, offload, topk)
     return forward(weights, step.tokens, step.positions, keys, logit_rows)
 
 

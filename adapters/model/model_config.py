@@ -57,6 +57,12 @@ class ModelConfig:
     #: one extra SWA-only MTP layer for speculative drafts (weights from their own generator,
     #: so the main model's weights are the same with or without it); see docs/speculative.md
     mtp: bool = True
+    #: V4.1 two-level selection (docs/sharing.md, "Shared candidates"): this indexer layer also
+    #: publishes up to ``candidate_blocks`` blocks of ``candidate_block`` entries per query, and
+    #: later indexer layers of its ratio take their top-k among those; None: off
+    candidate_source: int | None = None
+    candidate_blocks: int = 2048
+    candidate_block: int = 8
 
     def __post_init__(self) -> None:
         if self.head_dim % 2 or self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
@@ -71,6 +77,20 @@ class ModelConfig:
         self._check_sources("index_sources", self.index_sources, self.is_sparse, "a C4")
         for layer, ratio in enumerate(self.compress_ratios):
             self._check_consumer(layer, ratio)
+        self._check_candidates()
+
+    def _check_candidates(self) -> None:
+        c = self.candidate_source
+        for name in ("candidate_blocks", "candidate_block"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if c is None:
+            return
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < self.num_layers:
+            raise ValueError(f"candidate_source {c!r} is not a layer of this model")
+        if not self.runs_indexer(c):
+            raise ValueError(f"candidate_source: layer {c} does not run an indexer")
 
     def _check_sources(
         self, name: str, layers: tuple[int, ...], kind: Callable[[int], bool], what: str
@@ -172,9 +192,24 @@ class ModelConfig:
         the layers after it over the last W tokens of each chunk only."""
         return self.kv_sources[-1] if self.kv_sources else None
 
+    def restricts_to_candidates(self, layer: int) -> bool:
+        """Whether indexer ``layer`` takes its top-k among the shared candidates: it comes
+        after the candidate source and has its ratio."""
+        c = self.candidate_source
+        return (
+            c is not None
+            and layer > c
+            and self.runs_indexer(layer)
+            and self.compress_ratios[layer] == self.compress_ratios[c]
+        )
+
     def unshared(self) -> ModelConfig:
-        """The same model without cross-layer sharing (every layer compresses and selects)."""
-        return replace(self, name=f"{self.name}-unshared", kv_sources=(), index_sources=())
+        """The same model without cross-layer sharing (every layer compresses and selects; no
+        shared candidates)."""
+        return replace(
+            self, name=f"{self.name}-unshared", kv_sources=(), index_sources=(),
+            candidate_source=None,
+        )  # fmt: skip
 
     def first_layers(self, n: int) -> ModelConfig:
         """The model cut to its first ``n`` layers (sources beyond the cut dropped). Raises
@@ -187,6 +222,7 @@ class ModelConfig:
             compress_ratios=self.compress_ratios[:n],
             kv_sources=tuple(i for i in self.kv_sources if i < n),
             index_sources=tuple(i for i in self.index_sources if i < n),
+            candidate_source=None if (self.candidate_source or 0) >= n else self.candidate_source,
         )
 
     def cache_config(self, **kwargs: object) -> CacheConfig:

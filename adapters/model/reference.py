@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from adapters.model import ops
+from adapters.model.candidates import Candidates, select_candidates
 from adapters.model.model import LayerInput, compress_rows, forward, forward_tail_only
 from adapters.model.model_config import ModelConfig
 from adapters.model.weights import Compressor, ModelWeights
@@ -61,20 +62,34 @@ class DenseKeys:
     its own input over the whole sequence and publishes the entries (C4: and its indexer
     keys); a consumer reads its source's published entries. An index-source layer publishes
     its top-k selection per query; other C4 layers attend to that selection of their own
-    source's entries, without an indexer."""
+    source's entries, without an indexer. With ``cfg.candidate_source`` that layer also
+    publishes candidate blocks (`adapters.model.candidates`) and later indexer layers of its
+    ratio take their top-k among them.
 
-    def __init__(self, cfg: ModelConfig, length: int) -> None:
-        self.cfg, self.length = cfg, length
+    ``forced``: per indexer layer, a selection ``(indices (T, K), valid (T, K))`` of entry
+    indices for every position, used instead of the indexer's top-k (a forced replay of a
+    captured selection: docs/runner.md, "Top-k capture and forced replay")."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        length: int,
+        forced: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
+        self.cfg, self.length, self.forced = cfg, length, dict(forced or {})
         self.entries: dict[int, torch.Tensor] = {}  # per KV-source layer
         self.index_keys: dict[int, torch.Tensor] = {}  # per C4 KV-source layer
         self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per index source
+        self.candidates: Candidates | None = None  # the candidate source's, per query
 
     def restrict(self, rows: torch.Tensor) -> DenseKeys:
         """The keys for the queries ``rows`` of the sequence (tail-only); published entries
-        stay, published selections keep those rows."""
-        keys = DenseKeys(self.cfg, self.length)
+        stay, published selections (and candidates, forced selections) keep those rows."""
+        forced = {i: (c[rows], m[rows]) for i, (c, m) in self.forced.items()}
+        keys = DenseKeys(self.cfg, self.length, forced)
         keys.entries, keys.index_keys = self.entries, self.index_keys
         keys.selection = {i: (c[rows], m[rows]) for i, (c, m) in self.selection.items()}
+        keys.candidates = None if self.candidates is None else self.candidates.rows(rows)
         return keys
 
     def compress(self, x: torch.Tensor, comp: Compressor, ratio: int) -> torch.Tensor:
@@ -138,18 +153,30 @@ class DenseKeys:
         w = layer.x @ idx.w_weight
         scores = ops.index_scores(q, w, keys[None].expand(n, -1, -1))
         scores = scores.masked_fill(~visible, float("-inf"))
+        if i == cfg.candidate_source:
+            self.candidates = select_candidates(
+                scores, visible.sum(-1), cfg.candidate_blocks, cfg.candidate_block
+            )
+        if cfg.restricts_to_candidates(i):
+            assert self.candidates is not None
+            scores = self.candidates.restrict(scores)
         k = min(cfg.index_topk, scores.shape[1])
         values, indices = ops.topk_lowest_index(scores, k)
-        self.selection[i] = (indices, torch.isfinite(values))
+        self.selection[i] = self.forced.get(i, (indices, torch.isfinite(values)))
         return self.selection[i]
 
 
 @torch.no_grad()
-def reference_logits(weights: ModelWeights, tokens: list[int] | torch.Tensor) -> torch.Tensor:
-    """Logits ``(T, V)`` at every position of ``tokens``, computed from scratch."""
+def reference_logits(
+    weights: ModelWeights,
+    tokens: list[int] | torch.Tensor,
+    forced: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> torch.Tensor:
+    """Logits ``(T, V)`` at every position of ``tokens``, computed from scratch; ``forced``:
+    the indexer layers' selections to use instead of their top-k (`DenseKeys`)."""
     ids = torch.as_tensor(tokens, dtype=torch.long, device=weights.device)
     positions = torch.arange(ids.shape[0], device=weights.device)
-    return forward(weights, ids, positions, DenseKeys(weights.config, ids.shape[0]))
+    return forward(weights, ids, positions, DenseKeys(weights.config, ids.shape[0], forced))
 
 
 @torch.no_grad()
