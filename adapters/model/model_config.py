@@ -16,7 +16,9 @@ class ModelConfig:
     """Structure of the embedded model (DESIGN.md §1), every size in elements.
 
     ``compress_ratios[i]`` picks layer ``i``'s compressed stream: 0 = SWA only, 4 = C4
-    (overlapped, sparse top-k through the indexer), anything else = dense compressed attention.
+    (overlapped, sparse top-k through the indexer), 2 = C2 (V4.1 pairwise: no overlap, sparse
+    top-k through its own indexer over C2 keys), anything else = dense compressed attention.
+    ``overlap_ratios`` / ``sparse_ratios`` name those roles (docs/design.md, "C2").
     One latent of ``head_dim`` values (the last ``rope_dim`` rotated) is both K and V.
 
     V4.1 cross-layer sharing (docs/sharing.md), both empty by default (no sharing):
@@ -28,7 +30,8 @@ class ModelConfig:
     * ``index_sources``: the C4 layers that run the indexer (their own queries against their
       KV source's indexer keys). Every other C4 layer reuses the top-k selection of the nearest
       preceding index source. Empty: every C4 layer runs the indexer. A C4 KV source must be an
-      index source (the layer that writes indexer keys also scores with them).
+      index source (the layer that writes indexer keys also scores with them). The same holds
+      for C2 layers, with C2 sources: a selection is only ever reused within one ratio.
 
     Raises `ValueError` for bad sizes or ratios, and for sources that are not increasing layer
     indices of the right kind, or a consumer with no preceding source of its ratio.
@@ -51,18 +54,14 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-6
     overlap_ratios: tuple[int, ...] = field(default=(4,))
+    #: ratios whose layers attend to an indexer's top-k entries (the rest attend densely)
+    sparse_ratios: tuple[int, ...] = field(default=(2, 4))
     seed: int = 0
     kv_sources: tuple[int, ...] = ()
     index_sources: tuple[int, ...] = ()
     #: one extra SWA-only MTP layer for speculative drafts (weights from their own generator,
     #: so the main model's weights are the same with or without it); see docs/speculative.md
     mtp: bool = True
-    #: V4.1 two-level selection (docs/sharing.md, "Shared candidates"): this indexer layer also
-    #: publishes up to ``candidate_blocks`` blocks of ``candidate_block`` entries per query, and
-    #: later indexer layers of its ratio take their top-k among those; None: off
-    candidate_source: int | None = None
-    candidate_blocks: int = 2048
-    candidate_block: int = 8
 
     def __post_init__(self) -> None:
         if self.head_dim % 2 or self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
@@ -73,24 +72,12 @@ class ModelConfig:
             raise ValueError("sizes must be positive")
         if any(r < 0 or (r and r & (r - 1)) for r in self.compress_ratios):
             raise ValueError("compress ratios must be 0 or powers of two")
+        if any(r < 1 or r & (r - 1) for r in self.overlap_ratios + self.sparse_ratios):
+            raise ValueError("overlap and sparse ratios must be powers of two")
         self._check_sources("kv_sources", self.kv_sources, lambda r: r > 0, "a compressed")
-        self._check_sources("index_sources", self.index_sources, self.is_sparse, "a C4")
+        self._check_sources("index_sources", self.index_sources, self.is_sparse, "a sparse")
         for layer, ratio in enumerate(self.compress_ratios):
             self._check_consumer(layer, ratio)
-        self._check_candidates()
-
-    def _check_candidates(self) -> None:
-        c = self.candidate_source
-        for name in ("candidate_blocks", "candidate_block"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if c is None:
-            return
-        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < self.num_layers:
-            raise ValueError(f"candidate_source {c!r} is not a layer of this model")
-        if not self.runs_indexer(c):
-            raise ValueError(f"candidate_source: layer {c} does not run an indexer")
 
     def _check_sources(
         self, name: str, layers: tuple[int, ...], kind: Callable[[int], bool], what: str
@@ -115,12 +102,13 @@ class ModelConfig:
             return
         if self._nearest(self.index_sources, layer, ratio) is None:
             raise ValueError(
-                f"C4 layer {layer} reuses a top-k selection, but no index-source layer precedes "
-                f"it (index_sources={self.index_sources})"
+                f"C{ratio} layer {layer} reuses a top-k selection, but no index-source layer of "
+                f"ratio {ratio} precedes it (index_sources={self.index_sources})"
             )
         if layer in self.kv_sources and layer not in self.index_sources:
             raise ValueError(
-                f"C4 KV-source layer {layer} writes indexer keys, so it must be an index source"
+                f"C{ratio} KV-source layer {layer} writes indexer keys, so it must be an index "
+                "source"
             )
 
     def _nearest(self, sources: tuple[int, ...], layer: int, ratio: int) -> int | None:
@@ -145,8 +133,9 @@ class ModelConfig:
         return ratio in self.overlap_ratios
 
     def is_sparse(self, ratio: int) -> bool:
-        """C4 layers select top-k entries through the indexer; other ratios attend densely."""
-        return ratio == 4
+        """Layers of ``sparse_ratios`` (C4, C2) select top-k entries through an indexer; other
+        ratios attend densely."""
+        return ratio in self.sparse_ratios
 
     @property
     def shares_kv(self) -> bool:
@@ -171,18 +160,20 @@ class ModelConfig:
         return found
 
     def runs_indexer(self, layer: int) -> bool:
-        """Whether C4 ``layer`` scores with its own queries (else it reuses a selection)."""
+        """Whether sparse ``layer`` scores with its own queries (else it reuses a selection)."""
         return self.is_sparse(self.compress_ratios[layer]) and (
             not self.index_sources or layer in self.index_sources
         )
 
     def index_source_of(self, layer: int) -> int:
-        """The layer whose top-k selection C4 ``layer`` uses (itself if it runs the indexer)."""
-        if not self.is_sparse(self.compress_ratios[layer]):
-            raise ValueError(f"layer {layer} is not a C4 layer: it selects nothing")
+        """The layer whose top-k selection sparse ``layer`` uses (itself if it runs the
+        indexer): the nearest preceding index source of the same ratio."""
+        ratio = self.compress_ratios[layer]
+        if not self.is_sparse(ratio):
+            raise ValueError(f"layer {layer} is not a C4 / C2 (sparse) layer: it selects nothing")
         if not self.index_sources:
             return layer
-        found = self._nearest(self.index_sources, layer, 4)
+        found = self._nearest(self.index_sources, layer, ratio)
         assert found is not None  # validated in __post_init__
         return found
 
@@ -192,24 +183,9 @@ class ModelConfig:
         the layers after it over the last W tokens of each chunk only."""
         return self.kv_sources[-1] if self.kv_sources else None
 
-    def restricts_to_candidates(self, layer: int) -> bool:
-        """Whether indexer ``layer`` takes its top-k among the shared candidates: it comes
-        after the candidate source and has its ratio."""
-        c = self.candidate_source
-        return (
-            c is not None
-            and layer > c
-            and self.runs_indexer(layer)
-            and self.compress_ratios[layer] == self.compress_ratios[c]
-        )
-
     def unshared(self) -> ModelConfig:
-        """The same model without cross-layer sharing (every layer compresses and selects; no
-        shared candidates)."""
-        return replace(
-            self, name=f"{self.name}-unshared", kv_sources=(), index_sources=(),
-            candidate_source=None,
-        )  # fmt: skip
+        """The same model without cross-layer sharing (every layer compresses and selects)."""
+        return replace(self, name=f"{self.name}-unshared", kv_sources=(), index_sources=())
 
     def first_layers(self, n: int) -> ModelConfig:
         """The model cut to its first ``n`` layers (sources beyond the cut dropped). Raises
@@ -222,7 +198,6 @@ class ModelConfig:
             compress_ratios=self.compress_ratios[:n],
             kv_sources=tuple(i for i in self.kv_sources if i < n),
             index_sources=tuple(i for i in self.index_sources if i < n),
-            candidate_source=None if (self.candidate_source or 0) >= n else self.candidate_source,
         )
 
     def cache_config(self, **kwargs: object) -> CacheConfig:
@@ -269,6 +244,11 @@ TINY_TRAINED = replace(TINY, name="tiny-trained")
 #: prefill's quality is measurable on it
 TINY_SHARED_TRAINED = replace(TINY_SHARED, name="tiny-shared-trained")
 
+#: V4.1's pairwise compression (seeds: layers 2-19 are C2) among V4's streams: SWA-only
+#: layers 0-1, C2 layers 2 and 5 (sparse, each with its own indexer over C2 keys), C4 layer 3,
+#: C128 layer 4 (docs/design.md, "C2")
+TINY_C2 = replace(TINY, name="tiny-c2", compress_ratios=(0, 0, 2, 4, 128, 2))
+
 PRESETS = {
     "tiny": TINY,
     "tiny-trained": TINY_TRAINED,
@@ -276,6 +256,7 @@ PRESETS = {
     "tiny-shared": TINY_SHARED,
     "tiny-shared-trained": TINY_SHARED_TRAINED,
     "flash-shared": FLASH_SHARED,
+    "tiny-c2": TINY_C2,
 }
 
 

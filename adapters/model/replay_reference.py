@@ -163,7 +163,7 @@ class _SegmentKeys:
         entries = self._entries(layer, st, "kv", comp, ratio)
         if self.cfg.is_sparse(ratio):
             assert idx is not None and idx.compressor is not None
-            self._entries(layer, st, "index", idx.compressor, 4)
+            self._entries(layer, st, "index", idx.compressor, ratio)
         return entries
 
     def _entries(
@@ -195,7 +195,7 @@ class _SegmentKeys:
             return self.selection[cfg.index_source_of(i)]
         assert idx is not None
         n = layer.x.shape[0]
-        done = (self.start + n) // 4
+        done = (self.start + n) // layer.weights.ratio
         keys = self.ref._layers[cfg.kv_source_of(i)].entries["index"][:done]
         q = (layer.x @ idx.w_q).view(n, cfg.index_heads, cfg.index_dim)
         q = ops.rope(q, layer.positions, cfg.rope_dim, cfg.rope_theta)
