@@ -62,22 +62,42 @@ class ModelConfig:
     #: one extra SWA-only MTP layer for speculative drafts (weights from their own generator,
     #: so the main model's weights are the same with or without it); see docs/speculative.md
     mtp: bool = True
+    #: V4.1 two-level selection (docs/sharing.md, "Shared candidates"): this indexer layer also
+    #: publishes up to ``candidate_blocks`` blocks of ``candidate_block`` entries per query, and
+    #: later indexer layers of its ratio take their top-k among those; None: off
+    candidate_source: int | None = None
+    candidate_blocks: int = 2048
+    candidate_block: int = 8
 
     def __post_init__(self) -> None:
         if self.head_dim % 2 or self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
             raise ValueError("head_dim and rope_dim must be even with 0 < rope_dim <= head_dim")
+        if any(r < 1 or r & (r - 1) for r in self.overlap_ratios + self.sparse_ratios):
+            raise ValueError("overlap and sparse ratios must be powers of two")
         if self.index_dim % 2 or self.index_dim < self.rope_dim:
             raise ValueError("index_dim must be even and >= rope_dim")
         if min(self.hidden, self.num_heads, self.index_heads, self.index_topk, self.window) < 1:
             raise ValueError("sizes must be positive")
         if any(r < 0 or (r and r & (r - 1)) for r in self.compress_ratios):
             raise ValueError("compress ratios must be 0 or powers of two")
-        if any(r < 1 or r & (r - 1) for r in self.overlap_ratios + self.sparse_ratios):
-            raise ValueError("overlap and sparse ratios must be powers of two")
         self._check_sources("kv_sources", self.kv_sources, lambda r: r > 0, "a compressed")
         self._check_sources("index_sources", self.index_sources, self.is_sparse, "a sparse")
         for layer, ratio in enumerate(self.compress_ratios):
             self._check_consumer(layer, ratio)
+        self._check_candidates()
+
+    def _check_candidates(self) -> None:
+        c = self.candidate_source
+        for name in ("candidate_blocks", "candidate_block"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if c is None:
+            return
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < self.num_layers:
+            raise ValueError(f"candidate_source {c!r} is not a layer of this model")
+        if not self.runs_indexer(c):
+            raise ValueError(f"candidate_source: layer {c} does not run an indexer")
 
     def _check_sources(
         self, name: str, layers: tuple[int, ...], kind: Callable[[int], bool], what: str
@@ -183,9 +203,24 @@ class ModelConfig:
         the layers after it over the last W tokens of each chunk only."""
         return self.kv_sources[-1] if self.kv_sources else None
 
+    def restricts_to_candidates(self, layer: int) -> bool:
+        """Whether indexer ``layer`` takes its top-k among the shared candidates: it comes
+        after the candidate source and has its ratio."""
+        c = self.candidate_source
+        return (
+            c is not None
+            and layer > c
+            and self.runs_indexer(layer)
+            and self.compress_ratios[layer] == self.compress_ratios[c]
+        )
+
     def unshared(self) -> ModelConfig:
-        """The same model without cross-layer sharing (every layer compresses and selects)."""
-        return replace(self, name=f"{self.name}-unshared", kv_sources=(), index_sources=())
+        """The same model without cross-layer sharing (every layer compresses and selects; no
+        shared candidates)."""
+        return replace(
+            self, name=f"{self.name}-unshared", kv_sources=(), index_sources=(),
+            candidate_source=None,
+        )  # fmt: skip
 
     def first_layers(self, n: int) -> ModelConfig:
         """The model cut to its first ``n`` layers (sources beyond the cut dropped). Raises
@@ -198,6 +233,7 @@ class ModelConfig:
             compress_ratios=self.compress_ratios[:n],
             kv_sources=tuple(i for i in self.kv_sources if i < n),
             index_sources=tuple(i for i in self.index_sources if i < n),
+            candidate_source=None if (self.candidate_source or 0) >= n else self.candidate_source,
         )
 
     def cache_config(self, **kwargs: object) -> CacheConfig:
@@ -228,6 +264,11 @@ FLASH_SHAPED = ModelConfig(
 )
 
 #: V4.1-style sharing over 8 layers ``(0, 4, 128, 4, 128, 4, 0, 4)``: layers 1 (C4) and 2 (C128)
+#: V4.1's pairwise compression (seeds: layers 2-19 are C2) among V4's streams: SWA-only
+#: layers 0-1, C2 layers 2 and 5 (sparse, each with its own indexer over C2 keys), C4 layer 3,
+#: C128 layer 4 (docs/design.md, "C2")
+TINY_C2 = replace(TINY, name="tiny-c2", compress_ratios=(0, 0, 2, 4, 128, 2))
+
 #: are the KV sources; C4 layers 1 and 5 run the indexer, 3 reuses 1's selection and 7 reuses
 #: 5's. Layers 3-7 come after the last KV source (tail-only prefill skips them).
 SHARED_LAYERS = dict(
@@ -235,6 +276,7 @@ SHARED_LAYERS = dict(
 )
 TINY_SHARED = replace(TINY, name="tiny-shared", **SHARED_LAYERS)  # type: ignore[arg-type]
 FLASH_SHARED = replace(FLASH_SHAPED, name="flash-shared", **SHARED_LAYERS)  # type: ignore[arg-type]
+    "tiny-c2": TINY_C2,
 
 #: ``tiny``'s shape, with trained weights shipped in the package
 #: (`adapters.model.weights_file.SHIPPED`,
@@ -244,11 +286,6 @@ TINY_TRAINED = replace(TINY, name="tiny-trained")
 #: prefill's quality is measurable on it
 TINY_SHARED_TRAINED = replace(TINY_SHARED, name="tiny-shared-trained")
 
-#: V4.1's pairwise compression (seeds: layers 2-19 are C2) among V4's streams: SWA-only
-#: layers 0-1, C2 layers 2 and 5 (sparse, each with its own indexer over C2 keys), C4 layer 3,
-#: C128 layer 4 (docs/design.md, "C2")
-TINY_C2 = replace(TINY, name="tiny-c2", compress_ratios=(0, 0, 2, 4, 128, 2))
-
 PRESETS = {
     "tiny": TINY,
     "tiny-trained": TINY_TRAINED,
@@ -256,7 +293,6 @@ PRESETS = {
     "tiny-shared": TINY_SHARED,
     "tiny-shared-trained": TINY_SHARED_TRAINED,
     "flash-shared": FLASH_SHARED,
-    "tiny-c2": TINY_C2,
 }
 
 
