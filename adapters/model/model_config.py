@@ -72,14 +72,14 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.head_dim % 2 or self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
             raise ValueError("head_dim and rope_dim must be even with 0 < rope_dim <= head_dim")
-        if any(r < 1 or r & (r - 1) for r in self.overlap_ratios + self.sparse_ratios):
-            raise ValueError("overlap and sparse ratios must be powers of two")
         if self.index_dim % 2 or self.index_dim < self.rope_dim:
             raise ValueError("index_dim must be even and >= rope_dim")
         if min(self.hidden, self.num_heads, self.index_heads, self.index_topk, self.window) < 1:
             raise ValueError("sizes must be positive")
         if any(r < 0 or (r and r & (r - 1)) for r in self.compress_ratios):
             raise ValueError("compress ratios must be 0 or powers of two")
+        if any(r < 1 or r & (r - 1) for r in self.overlap_ratios + self.sparse_ratios):
+            raise ValueError("overlap and sparse ratios must be powers of two")
         self._check_sources("kv_sources", self.kv_sources, lambda r: r > 0, "a compressed")
         self._check_sources("index_sources", self.index_sources, self.is_sparse, "a sparse")
         for layer, ratio in enumerate(self.compress_ratios):
@@ -264,11 +264,6 @@ FLASH_SHAPED = ModelConfig(
 )
 
 #: V4.1-style sharing over 8 layers ``(0, 4, 128, 4, 128, 4, 0, 4)``: layers 1 (C4) and 2 (C128)
-#: V4.1's pairwise compression (seeds: layers 2-19 are C2) among V4's streams: SWA-only
-#: layers 0-1, C2 layers 2 and 5 (sparse, each with its own indexer over C2 keys), C4 layer 3,
-#: C128 layer 4 (docs/design.md, "C2")
-TINY_C2 = replace(TINY, name="tiny-c2", compress_ratios=(0, 0, 2, 4, 128, 2))
-
 #: are the KV sources; C4 layers 1 and 5 run the indexer, 3 reuses 1's selection and 7 reuses
 #: 5's. Layers 3-7 come after the last KV source (tail-only prefill skips them).
 SHARED_LAYERS = dict(
@@ -276,7 +271,6 @@ SHARED_LAYERS = dict(
 )
 TINY_SHARED = replace(TINY, name="tiny-shared", **SHARED_LAYERS)  # type: ignore[arg-type]
 FLASH_SHARED = replace(FLASH_SHAPED, name="flash-shared", **SHARED_LAYERS)  # type: ignore[arg-type]
-    "tiny-c2": TINY_C2,
 
 #: ``tiny``'s shape, with trained weights shipped in the package
 #: (`adapters.model.weights_file.SHIPPED`,
@@ -286,6 +280,11 @@ TINY_TRAINED = replace(TINY, name="tiny-trained")
 #: prefill's quality is measurable on it
 TINY_SHARED_TRAINED = replace(TINY_SHARED, name="tiny-shared-trained")
 
+#: V4.1's pairwise compression (seeds: layers 2-19 are C2) among V4's streams: SWA-only
+#: layers 0-1, C2 layers 2 and 5 (sparse, each with its own indexer over C2 keys), C4 layer 3,
+#: C128 layer 4 (docs/design.md, "C2")
+TINY_C2 = replace(TINY, name="tiny-c2", compress_ratios=(0, 0, 2, 4, 128, 2))
+
 PRESETS = {
     "tiny": TINY,
     "tiny-trained": TINY_TRAINED,
@@ -293,6 +292,7 @@ PRESETS = {
     "tiny-shared": TINY_SHARED,
     "tiny-shared-trained": TINY_SHARED_TRAINED,
     "flash-shared": FLASH_SHARED,
+    "tiny-c2": TINY_C2,
 }
 
 
