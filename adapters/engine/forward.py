@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from adapters.distributed.engram_shard import place_engram
 from adapters.engine.runner_stats import RunnerStats
 from adapters.engine.sequence import _Seq
 from adapters.forward.mtp import resume_hidden, run_step_mtp
 from adapters.forward.paged import build_step, run_step, run_tail_only_step
 from adapters.memory.pools import KVPools
+from adapters.model.engram import EngramStep, chunk_ngrams, pad_token, step_of
 from adapters.model.weights import ModelWeights
 from shadowradix import ReadPlan, ShadowRadixCache
 
@@ -43,6 +45,8 @@ class Forward:
         self.cache, self.weights, self.pools, self.offload = cache, weights, pools, offload
         self.model, self.device, self.stats = weights.config, device, stats
         self.tail_only, self.mtp = tail_only, mtp
+        #: the Engram tables where the model's ``engram_placement`` says (None without)
+        self.engram = place_engram(self.model, device, weights.dtype)
         #: every row's main hidden state of the last forward (MTP drafts only)
         self.step_hidden: torch.Tensor | None = None
 
@@ -73,14 +77,17 @@ class Forward:
             rows = np.searchsorted(tail_rows, rows).tolist()  # chunk ends are tail rows
         logit_rows = torch.tensor(rows, device=self.device, dtype=torch.long)
         t1 = time.perf_counter()
+        engram = self._engram_step(seqs, chunks, alloc.starts)  # the lookup: forward time
         if self.mtp:  # never tail-only (refused at construction)
             logits = self._forward_mtp(seqs, chunks, alloc, step, logit_rows)
         elif tail_rows is None:
-            logits = run_step(self.weights, self.pools, step, logit_rows, self.offload)
+            logits = run_step(
+                self.weights, self.pools, step, logit_rows, self.offload, engram=engram
+            )
         else:
             tail_t = torch.from_numpy(tail_rows).to(self.device)
             logits = run_tail_only_step(
-                self.weights, self.pools, step, tail_t, logit_rows, self.offload
+                self.weights, self.pools, step, tail_t, logit_rows, self.offload, engram=engram
             )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -88,6 +95,21 @@ class Forward:
         self.stats.schedule_s += t1 - t0
         self.stats.forward_s += t2 - t1
         return logits
+
+    def _engram_step(self, seqs: list[_Seq], chunks: list[list[int]], starts) -> EngramStep | None:
+        """The Engram memory of the chunks' tokens: each chunk's n-grams reach back ``n - 1``
+        tokens into its request (across a chunk or prefix-hit boundary)."""
+        cfg = self.model
+        if not cfg.engram_layers:
+            return None
+        n, contexts = cfg.engram_ngram, []
+        for seq, chunk, start in zip(seqs, chunks, starts):
+            lo = max(0, start - (n - 1))
+            history = seq.req.tokens_from(lo)[: start - lo]
+            contexts.append(np.concatenate((history, np.asarray(chunk, dtype=np.int64))))
+        sizes = [len(c) for c in chunks]
+        ngrams = chunk_ngrams(contexts, sizes, n, pad_token(cfg.vocab_size))
+        return step_of(cfg, torch.from_numpy(ngrams), self.engram)
 
     def _tail_rows(self, chunks: list[list[int]]) -> np.ndarray | None:
         """Flat rows of the last ``window`` tokens of every chunk; ``None`` when that is every

@@ -30,6 +30,7 @@ from adapters.memory.device import upload
 from adapters.memory.pools import KVPools
 from adapters.model import ops
 from adapters.model.candidates import Candidates, select_candidates
+from adapters.model.engram import EngramRows, EngramStep, decode_ngrams, pad_token, step_of
 from adapters.model.model import LayerInput, compress_rows, forward
 from adapters.model.weights import ModelWeights
 from shadowradix import CacheConfig, PageTableDelta
@@ -283,19 +284,26 @@ class GraphDecoder:
         max_context: int,
         use_graphs: bool | None = None,
         min_context_bucket: int = 1024,
+        engram: EngramRows | None = None,
     ) -> None:
         self.weights, self.pools, self.cache = weights, pools, cache
         self.buffers = DecodeBuffers(cache, max_batch, max_context, weights.device)
         self.use_graphs = weights.device.type == "cuda" if use_graphs is None else use_graphs
         self.min_context_bucket = min_context_bucket
         self.graphs = CudaGraphs(self._run, pools)  # a subclass's `_run` (bound: resolved now)
+        #: Engram: the tables, and a fixed buffer of the step's rows (looked up before the
+        #: graph runs, in any placement; the graph reads the buffer)
+        self.engram, self.engram_memory = engram, _engram_buffer(weights, max_batch, engram)
 
     @torch.no_grad()
     def _run(self, batch: int, context: int) -> torch.Tensor:
         meta = step_metadata(self.cache, self.pools, self.buffers, batch, context)
         meta = _with_late_mask(meta, self.pools)
         keys = GraphKeys(self.weights, self.pools, meta)
-        return forward(self.weights, self.buffers.tokens[:batch], meta.positions, keys)
+        cfg, mem = self.weights.config, self.engram_memory
+        engram = None if mem is None else EngramStep(cfg.engram_layers, mem[:, :batch])
+        tokens = self.buffers.tokens[:batch]
+        return forward(self.weights, tokens, meta.positions, keys, None, engram)
 
     def step(
         self, requests: list[Request], tokens: Tokens, deltas: Iterable[PageTableDelta]
@@ -304,6 +312,7 @@ class GraphDecoder:
         by ``tokens`` (one each). ``deltas``: the step plan's, after any other table changes
         of these requests since the last step (`DecodeBuffers.load`)."""
         self.buffers.load(requests, tokens, deltas)
+        self._load_engram(requests, tokens)
         longest = max(r.length for r in requests)
         context = context_bucket(longest, self.min_context_bucket, self.buffers.max_context)
         batch = min(power_bucket(len(requests), 1), self.buffers.max_batch)
@@ -313,3 +322,26 @@ class GraphDecoder:
 
     def _replay(self, batch: int, context: int) -> torch.Tensor:  # pragma: no cover
         return self.graphs.replay(batch, context, self.buffers.valid)
+
+    def _load_engram(self, requests: list[Request], tokens: Tokens) -> None:
+        """The step's Engram rows into their buffer: each request's n-gram is its ``n - 1``
+        tokens before the new one (host) and the new one (host, or on the device)."""
+        if self.engram_memory is None:
+            return
+        cfg = self.weights.config
+        n = cfg.engram_ngram
+        lo = [max(0, r.length - n) for r in requests]
+        hist = [r.tokens_from(a)[: r.length - 1 - a] for r, a in zip(requests, lo)]
+        ngrams = decode_ngrams(hist, tokens, n, pad_token(cfg.vocab_size))
+        step = step_of(cfg, ngrams, self.engram)
+        assert step is not None
+        self.engram_memory[:, : len(requests)].copy_(step.memory)
+
+
+def _engram_buffer(weights: ModelWeights, max_batch: int, engram: EngramRows | None):
+    cfg = weights.config
+    if engram is None or not cfg.engram_layers:
+        return None
+    width = cfg.engram_lookups * cfg.engram_dim
+    shape = (len(cfg.engram_layers), max_batch, width)
+    return torch.zeros(shape, device=weights.device, dtype=weights.dtype)

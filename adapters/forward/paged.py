@@ -20,6 +20,7 @@ from adapters.kernels import PoolRows
 from adapters.memory.pools import KVPools
 from adapters.model import ops
 from adapters.model.candidates import Candidates
+from adapters.model.engram import EngramStep
 from adapters.model.model import LayerInput, compress_rows, forward, forward_tail_only
 from adapters.model.model_config import ModelConfig
 from adapters.model.weights import Compressor, ModelWeights
@@ -368,13 +369,15 @@ def run_step(
     logit_rows: torch.Tensor | None,
     offload: C4Offload | None = None,
     topk: TopkStep | None = None,
+    engram: EngramStep | None = None,
 ) -> torch.Tensor:
     """Runs the layers over the step's new tokens; returns logits of ``logit_rows``.
-    ``topk``: forced selections in, the step's selections out (`TopkStep`)."""
+    ``topk``: forced selections in, the step's selections out (`TopkStep`). ``engram``: the
+    step's Engram memory (an Engram model's; `adapters.model.engram`)."""
     if pools.late_swa_valid is not None:  # every layer computes every token
         pools.late_swa_valid[step.swa_slots] = True
     keys = PagedKeys(weights.config, pools, step, offload, topk)
-    return forward(weights, step.tokens, step.positions, keys, logit_rows)
+    return forward(weights, step.tokens, step.positions, keys, logit_rows, engram)
 
 
 @torch.no_grad()
@@ -385,6 +388,7 @@ def run_tail_only_step(
     tail_rows: torch.Tensor,
     logit_rows: torch.Tensor | None,
     offload: C4Offload | None = None,
+    engram: EngramStep | None = None,
 ) -> torch.Tensor:
     """Tail-only prefill (`model.forward_tail_only`): the layers after the last KV source run
     over ``tail_rows`` only; ``logit_rows`` index into ``tail_rows``. Marks in
@@ -396,4 +400,6 @@ def run_tail_only_step(
     valid[step.swa_slots] = False
     valid[step.swa_slots[tail_rows]] = True
     keys = PagedKeys(weights.config, pools, step, offload)
-    return forward_tail_only(weights, step.tokens, step.positions, keys, tail_rows, logit_rows)
+    return forward_tail_only(
+        weights, step.tokens, step.positions, keys, tail_rows, logit_rows, engram
+    )

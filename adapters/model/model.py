@@ -14,7 +14,9 @@ from typing import Protocol
 
 import torch
 
+from adapters.model import engram as engram_ops
 from adapters.model import ops
+from adapters.model.engram import EngramInputError, EngramStep
 from adapters.model.model_config import ModelConfig
 from adapters.model.weights import LayerWeights, ModelWeights
 
@@ -60,11 +62,16 @@ def layer_forward(
     positions: torch.Tensor,
     keys: KeySource,
     reduce_out: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    memory: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer over the residual ``streams``. ``reduce_out``: applied to the attention's
     output projection before the residual merge (tensor parallelism sums the ranks' partial
-    products there, `adapters.distributed.tp`); the head count follows ``lw.w_q``."""
+    products there, `adapters.distributed.tp`); the head count follows ``lw.w_q``. An Engram
+    layer (``lw.engram``) first adds its gated ``memory`` rows (`engram.inject`); without them
+    it raises `EngramInputError`."""
     n = streams.shape[0]
+    if lw.engram is not None:
+        streams = _engram(cfg, index, lw, streams, memory)
     x, post, res = ops.hc_mix(streams, lw.hc_attn, cfg.sinkhorn_iters, cfg.norm_eps)
     xn = ops.rms_norm(x, lw.attn_norm, cfg.norm_eps)
     q = (xn @ lw.w_q).view(n, -1, cfg.head_dim)
@@ -82,27 +89,50 @@ def layer_forward(
     return ops.hc_merge(streams, y, post, res)
 
 
+def _engram(
+    cfg: ModelConfig, index: int, lw: LayerWeights, streams: torch.Tensor, memory
+) -> torch.Tensor:
+    ew = lw.engram
+    assert ew is not None
+    if memory is None:
+        raise EngramInputError(f"Engram layer {index} ran without its memory rows: this "
+                               "forward does not wire Engram (docs/engram.md)")  # fmt: skip
+    return engram_ops.inject(
+        streams, memory, ew.w_key, ew.w_value, ew.hidden_norm, ew.key_norm, cfg.norm_eps
+    )
+
+
+def _memory(engram: EngramStep | None, index: int) -> torch.Tensor | None:
+    return None if engram is None else engram.of(index)
+
+
 def forward(
     weights: ModelWeights,
     tokens: torch.Tensor,
     positions: torch.Tensor,
     keys: KeySource,
     logit_rows: torch.Tensor | None = None,
+    engram: EngramStep | None = None,
 ) -> torch.Tensor:
-    """Logits ``(len(logit_rows), V)`` (all rows when ``None``) for the new tokens."""
-    hidden = final_hidden(weights, tokens, positions, keys)
+    """Logits ``(len(logit_rows), V)`` (all rows when ``None``) for the new tokens;
+    ``engram``: the step's Engram memory (required by a model with Engram layers)."""
+    hidden = final_hidden(weights, tokens, positions, keys, engram)
     return head_logits(weights, hidden if logit_rows is None else hidden[logit_rows])
 
 
 def final_hidden(
-    weights: ModelWeights, tokens: torch.Tensor, positions: torch.Tensor, keys: KeySource
+    weights: ModelWeights,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    keys: KeySource,
+    engram: EngramStep | None = None,
 ) -> torch.Tensor:
     """The last layer's hidden state ``(N, D)`` (mean of the residual streams), before the
     final norm and the head: what the MTP layer reads for the next position."""
     cfg = weights.config
     streams = embed(weights, tokens)
     for i, lw in enumerate(weights.layers):
-        streams = layer_forward(cfg, i, lw, streams, positions, keys)
+        streams = layer_forward(cfg, i, lw, streams, positions, keys, None, _memory(engram, i))
     return streams.mean(dim=1)
 
 
@@ -134,6 +164,7 @@ def forward_tail_only(
     keys: TailKeys,
     tail_rows: torch.Tensor,
     logit_rows: torch.Tensor | None = None,
+    engram: EngramStep | None = None,
 ) -> torch.Tensor:
     """Decoder-side tail-only forward (V4.1 bounded replay, an approximation): the layers up to
     the last KV-source layer run over every new token, the later layers over ``tail_rows``
@@ -146,11 +177,14 @@ def forward_tail_only(
     cut = cfg.last_kv_source + 1
     streams = embed(weights, tokens)
     for i in range(cut):
-        streams = layer_forward(cfg, i, weights.layers[i], streams, positions, keys)
+        memory = _memory(engram, i)
+        streams = layer_forward(cfg, i, weights.layers[i], streams, positions, keys, None, memory)
     streams, positions = streams[tail_rows], positions[tail_rows]
     late = keys.restrict(tail_rows)
+    late_engram = None if engram is None else engram.restrict(tail_rows)
     for i in range(cut, cfg.num_layers):
-        streams = layer_forward(cfg, i, weights.layers[i], streams, positions, late)
+        memory = _memory(late_engram, i)
+        streams = layer_forward(cfg, i, weights.layers[i], streams, positions, late, None, memory)
     if logit_rows is not None:
         streams = streams[logit_rows]
     final = ops.rms_norm(streams.mean(dim=1), weights.final_norm, cfg.norm_eps)

@@ -5,10 +5,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from enum import Enum
 
 from shadowradix import CacheConfig
 
 VOCAB_SIZE = 258  # 256 UTF-8 bytes + BOS + EOS
+
+
+class EngramPlacement(Enum):
+    """Where the Engram tables live (docs/engram.md); the lookup's result is the same."""
+
+    DEVICE = "device"  # on the GPU with the weights
+    HOST = "host"  # one copy in (pinned) host memory: a CPU gather and one copy per step
+    SHARDED = "sharded"  # rows r % world on rank r's host memory, partials all-reduced
 
 
 @dataclass(frozen=True)
@@ -16,9 +25,7 @@ class ModelConfig:
     """Structure of the embedded model (DESIGN.md §1), every size in elements.
 
     ``compress_ratios[i]`` picks layer ``i``'s compressed stream: 0 = SWA only, 4 = C4
-    (overlapped, sparse top-k through the indexer), 2 = C2 (V4.1 pairwise: no overlap, sparse
-    top-k through its own indexer over C2 keys), anything else = dense compressed attention.
-    ``overlap_ratios`` / ``sparse_ratios`` name those roles (docs/design.md, "C2").
+    (overlapped, sparse top-k through the indexer), anything else = dense compressed attention.
     One latent of ``head_dim`` values (the last ``rope_dim`` rotated) is both K and V.
 
     V4.1 cross-layer sharing (docs/sharing.md), both empty by default (no sharing):
@@ -30,8 +37,7 @@ class ModelConfig:
     * ``index_sources``: the C4 layers that run the indexer (their own queries against their
       KV source's indexer keys). Every other C4 layer reuses the top-k selection of the nearest
       preceding index source. Empty: every C4 layer runs the indexer. A C4 KV source must be an
-      index source (the layer that writes indexer keys also scores with them). The same holds
-      for C2 layers, with C2 sources: a selection is only ever reused within one ratio.
+      index source (the layer that writes indexer keys also scores with them).
 
     Raises `ValueError` for bad sizes or ratios, and for sources that are not increasing layer
     indices of the right kind, or a consumer with no preceding source of its ratio.
@@ -54,8 +60,6 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-6
     overlap_ratios: tuple[int, ...] = field(default=(4,))
-    #: ratios whose layers attend to an indexer's top-k entries (the rest attend densely)
-    sparse_ratios: tuple[int, ...] = field(default=(2, 4))
     seed: int = 0
     kv_sources: tuple[int, ...] = ()
     index_sources: tuple[int, ...] = ()
@@ -68,6 +72,15 @@ class ModelConfig:
     candidate_source: int | None = None
     candidate_blocks: int = 2048
     candidate_block: int = 8
+    #: V4.1 Engram memory (docs/engram.md): these layers add a gated lookup of the last
+    #: ``engram_ngram`` tokens' hashed 2..n-grams (``engram_heads`` hashes per order) into a
+    #: table of ``engram_rows`` fp8 rows of ``engram_dim`` channels (one table per layer)
+    engram_layers: tuple[int, ...] = ()
+    engram_rows: int = 0
+    engram_dim: int = 32
+    engram_ngram: int = 3
+    engram_heads: int = 2
+    engram_placement: EngramPlacement = EngramPlacement.DEVICE
 
     def __post_init__(self) -> None:
         if self.head_dim % 2 or self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
@@ -78,13 +91,29 @@ class ModelConfig:
             raise ValueError("sizes must be positive")
         if any(r < 0 or (r and r & (r - 1)) for r in self.compress_ratios):
             raise ValueError("compress ratios must be 0 or powers of two")
-        if any(r < 1 or r & (r - 1) for r in self.overlap_ratios + self.sparse_ratios):
-            raise ValueError("overlap and sparse ratios must be powers of two")
         self._check_sources("kv_sources", self.kv_sources, lambda r: r > 0, "a compressed")
-        self._check_sources("index_sources", self.index_sources, self.is_sparse, "a sparse")
+        self._check_sources("index_sources", self.index_sources, self.is_sparse, "a C4")
         for layer, ratio in enumerate(self.compress_ratios):
             self._check_consumer(layer, ratio)
         self._check_candidates()
+        self._check_engram()
+
+    def _check_engram(self) -> None:
+        if not self.engram_layers:
+            return
+        self._check_sources("engram_layers", self.engram_layers, lambda r: True, "a")
+        if min(self.engram_rows, self.engram_dim, self.engram_heads) < 1:
+            raise ValueError("an Engram model needs positive engram_rows, engram_dim, heads")
+        if not 2 <= self.engram_ngram <= 8:
+            raise ValueError(f"engram_ngram must be 2 to 8, got {self.engram_ngram}")
+        if not isinstance(self.engram_placement, EngramPlacement):
+            raise ValueError(f"engram_placement must be an EngramPlacement, "
+                             f"got {self.engram_placement!r}")  # fmt: skip
+
+    @property
+    def engram_lookups(self) -> int:
+        """Table rows one token reads per Engram layer: ``heads`` per n-gram order 2..n."""
+        return (self.engram_ngram - 1) * self.engram_heads
 
     def _check_candidates(self) -> None:
         c = self.candidate_source
@@ -122,13 +151,12 @@ class ModelConfig:
             return
         if self._nearest(self.index_sources, layer, ratio) is None:
             raise ValueError(
-                f"C{ratio} layer {layer} reuses a top-k selection, but no index-source layer of "
-                f"ratio {ratio} precedes it (index_sources={self.index_sources})"
+                f"C4 layer {layer} reuses a top-k selection, but no index-source layer precedes "
+                f"it (index_sources={self.index_sources})"
             )
         if layer in self.kv_sources and layer not in self.index_sources:
             raise ValueError(
-                f"C{ratio} KV-source layer {layer} writes indexer keys, so it must be an index "
-                "source"
+                f"C4 KV-source layer {layer} writes indexer keys, so it must be an index source"
             )
 
     def _nearest(self, sources: tuple[int, ...], layer: int, ratio: int) -> int | None:
@@ -153,9 +181,8 @@ class ModelConfig:
         return ratio in self.overlap_ratios
 
     def is_sparse(self, ratio: int) -> bool:
-        """Layers of ``sparse_ratios`` (C4, C2) select top-k entries through an indexer; other
-        ratios attend densely."""
-        return ratio in self.sparse_ratios
+        """C4 layers select top-k entries through the indexer; other ratios attend densely."""
+        return ratio == 4
 
     @property
     def shares_kv(self) -> bool:
@@ -180,20 +207,18 @@ class ModelConfig:
         return found
 
     def runs_indexer(self, layer: int) -> bool:
-        """Whether sparse ``layer`` scores with its own queries (else it reuses a selection)."""
+        """Whether C4 ``layer`` scores with its own queries (else it reuses a selection)."""
         return self.is_sparse(self.compress_ratios[layer]) and (
             not self.index_sources or layer in self.index_sources
         )
 
     def index_source_of(self, layer: int) -> int:
-        """The layer whose top-k selection sparse ``layer`` uses (itself if it runs the
-        indexer): the nearest preceding index source of the same ratio."""
-        ratio = self.compress_ratios[layer]
-        if not self.is_sparse(ratio):
-            raise ValueError(f"layer {layer} is not a C4 / C2 (sparse) layer: it selects nothing")
+        """The layer whose top-k selection C4 ``layer`` uses (itself if it runs the indexer)."""
+        if not self.is_sparse(self.compress_ratios[layer]):
+            raise ValueError(f"layer {layer} is not a C4 layer: it selects nothing")
         if not self.index_sources:
             return layer
-        found = self._nearest(self.index_sources, layer, ratio)
+        found = self._nearest(self.index_sources, layer, 4)
         assert found is not None  # validated in __post_init__
         return found
 
@@ -280,10 +305,14 @@ TINY_TRAINED = replace(TINY, name="tiny-trained")
 #: prefill's quality is measurable on it
 TINY_SHARED_TRAINED = replace(TINY_SHARED, name="tiny-shared-trained")
 
-#: V4.1's pairwise compression (seeds: layers 2-19 are C2) among V4's streams: SWA-only
-#: layers 0-1, C2 layers 2 and 5 (sparse, each with its own indexer over C2 keys), C4 layer 3,
-#: C128 layer 4 (docs/design.md, "C2")
-TINY_C2 = replace(TINY, name="tiny-c2", compress_ratios=(0, 0, 2, 4, 128, 2))
+#: V4.1 Engram memory (docs/engram.md): layers 1 and 4 each read a 4093-row fp8 table
+TINY_ENGRAM = replace(TINY, name="tiny-engram", engram_layers=(1, 4), engram_rows=4093)
+#: flash-shaped with two Engram tables of 47.2 GiB in all (a quarter of V4.1's 189 GiB: one
+#: rank's share at TP4, the seeds' setting): 2 x 49.15M rows of 512 fp8 channels + a scale
+FLASH_ENGRAM = replace(
+    FLASH_SHAPED, name="flash-engram", engram_layers=(1, 2), engram_rows=49_152_000,
+    engram_dim=512,
+)  # fmt: skip
 
 PRESETS = {
     "tiny": TINY,
@@ -292,7 +321,8 @@ PRESETS = {
     "tiny-shared": TINY_SHARED,
     "tiny-shared-trained": TINY_SHARED_TRAINED,
     "flash-shared": FLASH_SHARED,
-    "tiny-c2": TINY_C2,
+    "tiny-engram": TINY_ENGRAM,
+    "flash-engram": FLASH_ENGRAM,
 }
 
 

@@ -13,6 +13,7 @@ import torch
 
 from adapters.model import ops
 from adapters.model.candidates import Candidates, select_candidates
+from adapters.model.engram import EngramRows, sequence_step
 from adapters.model.model import LayerInput, compress_rows, forward, forward_tail_only
 from adapters.model.model_config import ModelConfig
 from adapters.model.weights import Compressor, ModelWeights
@@ -171,20 +172,26 @@ def reference_logits(
     weights: ModelWeights,
     tokens: list[int] | torch.Tensor,
     forced: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    engram: EngramRows | None = None,
 ) -> torch.Tensor:
     """Logits ``(T, V)`` at every position of ``tokens``, computed from scratch; ``forced``:
-    the indexer layers' selections to use instead of their top-k (`DenseKeys`)."""
+    the indexer layers' selections to use instead of their top-k (`DenseKeys`); ``engram``:
+    the Engram tables (required by an Engram model: `engram.EngramInputError`)."""
     ids = torch.as_tensor(tokens, dtype=torch.long, device=weights.device)
     positions = torch.arange(ids.shape[0], device=weights.device)
-    return forward(weights, ids, positions, DenseKeys(weights.config, ids.shape[0], forced))
+    step = sequence_step(weights.config, ids, engram)
+    keys = DenseKeys(weights.config, ids.shape[0], forced)
+    return forward(weights, ids, positions, keys, engram=step)
 
 
 @torch.no_grad()
-def reference_generate(weights: ModelWeights, prompt: list[int], max_new_tokens: int) -> list[int]:
+def reference_generate(
+    weights: ModelWeights, prompt: list[int], max_new_tokens: int, engram: EngramRows | None = None
+) -> list[int]:
     """Greedy continuation, recomputing the whole sequence for every token (slow; tests only)."""
     seq = list(prompt)
     for _ in range(max_new_tokens):
-        seq.append(int(reference_logits(weights, seq)[-1].argmax()))
+        seq.append(int(reference_logits(weights, seq, engram=engram)[-1].argmax()))
     return seq[len(prompt) :]
 
 

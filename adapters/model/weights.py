@@ -54,6 +54,17 @@ class Indexer:
 
 
 @dataclass(frozen=True)
+class EngramWeights:
+    """The gate and value projection of one Engram layer (`adapters.model.engram`); its table
+    is placed apart (`adapters.memory.engram_table`)."""
+
+    w_key: torch.Tensor  # (K*dim, D)
+    w_value: torch.Tensor  # (K*dim, D)
+    hidden_norm: torch.Tensor  # (D,)
+    key_norm: torch.Tensor  # (D,)
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     ratio: int
     hc_attn: HyperConnection
@@ -70,6 +81,7 @@ class LayerWeights:
     w_gate: torch.Tensor  # (D, M)
     w_up: torch.Tensor  # (D, M)
     w_down: torch.Tensor  # (M, D)
+    engram: EngramWeights | None = None  # an Engram layer's (ModelConfig.engram_layers)
 
 
 @dataclass(frozen=True)
@@ -187,6 +199,27 @@ def _shared(cfg: ModelConfig, layer: int, lw: LayerWeights) -> LayerWeights:
 
 #: offset of the MTP layer's generator seed from the model's (its own stream of draws)
 MTP_SEED_OFFSET = 0x4D5450
+#: offset of the Engram projections' generator seed (the main weights stay those without)
+ENGRAM_SEED_OFFSET = 0x454E52
+
+
+def _engram(init: _Init, cfg: ModelConfig) -> EngramWeights:
+    width = cfg.engram_lookups * cfg.engram_dim
+    return EngramWeights(
+        w_key=init.linear(width, cfg.hidden),
+        w_value=init.normal(width, cfg.hidden, std=0.5 * width**-0.5),
+        hidden_norm=init.norm(cfg.hidden),
+        key_norm=init.norm(cfg.hidden),
+    )
+
+
+def _with_engram(cfg: ModelConfig, layers: tuple[LayerWeights, ...], device, dtype):
+    """``layers`` with the Engram layers' projections, from a generator of their own."""
+    if not cfg.engram_layers:
+        return layers
+    init = _Init(cfg.seed + ENGRAM_SEED_OFFSET, device, dtype)
+    drawn = {i: _engram(init, cfg) for i in cfg.engram_layers}
+    return tuple(replace(lw, engram=drawn.get(i)) for i, lw in enumerate(layers))
 
 
 def _mtp(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> MTPWeights:
@@ -204,10 +237,12 @@ def init_weights(
     cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> ModelWeights:
     """Seeded random weights; the same ``cfg.seed`` gives the same values on every device. The
-    MTP layer (``cfg.mtp``) draws from a generator of its own: the main weights do not change."""
+    MTP layer (``cfg.mtp``) and the Engram projections (``cfg.engram_layers``) draw from
+    generators of their own: the main weights do not change."""
     init = _Init(cfg.seed, torch.device(device), dtype)
     embed = init.normal(cfg.vocab_size, cfg.hidden, std=1.0)
     layers = tuple(_shared(cfg, i, _layer(init, cfg, r)) for i, r in enumerate(cfg.compress_ratios))
+    layers = _with_engram(cfg, layers, torch.device(device), dtype)
     return ModelWeights(
         config=cfg,
         embed=embed,
