@@ -42,6 +42,14 @@ UNSHARED_CANDS = dataclasses.replace(
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @functools.cache
 def weights(cfg: ModelConfig):
     return init_weights(cfg, "cpu", torch.float64)

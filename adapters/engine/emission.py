@@ -75,6 +75,8 @@ class Emission:
             res.finish_reason = "length"
         else:
             return []
+        if seq.topk is not None:  # capture_topk: what the request computed, at its end
+            res.topk = seq.topk.capture(seq.tokens)
         self.scheduler.finish(seq)
         return [res]
 

@@ -16,6 +16,7 @@ from adapters.engine.runner_stats import RunnerStats
 from adapters.engine.sequence import _Seq
 from adapters.forward.mtp import resume_hidden, run_step_mtp
 from adapters.forward.paged import build_step, run_step, run_tail_only_step
+from adapters.forward.selection import TopkStep
 from adapters.memory.pools import KVPools
 from adapters.model.engram import EngramStep, chunk_ngrams, pad_token, step_of
 from adapters.model.weights import ModelWeights
@@ -57,13 +58,15 @@ class Forward:
         alloc,
         rows: list[int],
         plans: list[ReadPlan] | None = None,
+        topk: TopkStep | None = None,
     ):
         """Logits of the flat token ``rows`` of one forward over ``chunks`` (``alloc``: their
         step plan; ``plans``: the windows they read, default each request's from its chunk's
         start). A tail-only runner runs chunks longer than the window tail-only (``rows`` are
         then chunk ends). With the MTP layer kept, also its state, and each request's hidden
         state at its chunk's end (every row's in ``step_hidden``). The name is the seam tests
-        wrap (`Runner._forward`)."""
+        wrap (`Runner._forward`). ``topk``: forced selections in, the step's out (`TopkStep`;
+        a paged, non-tail-only forward)."""
         t0 = time.perf_counter()
         if plans is None:
             plans = [self.cache.read_plan(s.req, start=st) for s, st in zip(seqs, alloc.starts)]
@@ -82,7 +85,7 @@ class Forward:
             logits = self._forward_mtp(seqs, chunks, alloc, step, logit_rows)
         elif tail_rows is None:
             logits = run_step(
-                self.weights, self.pools, step, logit_rows, self.offload, engram=engram
+                self.weights, self.pools, step, logit_rows, self.offload, topk, engram=engram
             )
         else:
             tail_t = torch.from_numpy(tail_rows).to(self.device)

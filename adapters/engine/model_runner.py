@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from adapters.engine.batch import BatchKind, ScheduledBatch
@@ -26,6 +27,8 @@ from adapters.engine.runner_stats import RunnerStats
 from adapters.engine.sequence import _Seq
 from adapters.forward.graph_decode import GraphDecoder, Tokens
 from adapters.forward.graph_verify import GraphVerifier
+from adapters.forward.selection import ForcedRows, TopkStep
+from adapters.forward.topk_capture import TopkRecorder, indexer_layers
 from shadowradix import PageTableDelta, StepPlan
 
 
@@ -61,14 +64,61 @@ class ModelRunner:
         if batch.kind is BatchKind.VERIFY:
             return self._verify(batch)
         seqs, chunks = list(batch.seqs), list(batch.chunks)
+        topk = self._topk_step(batch)
         if batch.kind is BatchKind.DECODE and self.decoder is not None:
-            deltas = self.take_deltas() + list(batch.deltas)
-            return ForwardOutput(self.graph_forward(seqs, [c[0] for c in chunks], deltas))
+            if topk is None:
+                deltas = self.take_deltas() + list(batch.deltas)
+                return ForwardOutput(self.graph_forward(seqs, [c[0] for c in chunks], deltas))
+            self.note(batch.deltas)  # run paged: the device tables learn them next graph step
         rows = list(batch.logit_rows)
-        if batch.read_plans is None:
-            return ForwardOutput(self.paged._forward(seqs, chunks, batch.plan, rows))
-        plans = list(batch.read_plans)
-        return ForwardOutput(self.paged._forward(seqs, chunks, batch.plan, rows, plans))
+        kw = {} if topk is None else {"topk": topk}
+        plans = None if batch.read_plans is None else list(batch.read_plans)
+        logits = self.paged._forward(seqs, chunks, batch.plan, rows, plans, **kw)
+        if topk is not None and batch.kind is not BatchKind.REPLAY:
+            self._record_topk(batch, topk)
+        return ForwardOutput(logits)
+
+    def _topk_step(self, batch: ScheduledBatch) -> TopkStep | None:
+        """The forward's forced rows (replaying requests' captured selections at their
+        positions), or None when no request of the batch captures or replays."""
+        if not any(s.params.uses_topk for s in batch.seqs):
+            return None
+        model, positions = self.paged.model, np.asarray(batch.plan.arrays.positions)
+        sizes = [len(c) for c in batch.chunks]
+        replays = [(s.params.replay_topk, o, n) for s, o, n in zip(batch.seqs, _offsets(sizes),
+                   sizes) if s.params.replay_topk is not None]  # fmt: skip
+        step = TopkStep()
+        if not replays:
+            return step
+        n, k = len(positions), model.index_topk
+        for layer in indexer_layers(model):
+            rows, valid = np.zeros(n, bool), np.zeros((n, k), bool)
+            entries = np.zeros((n, k), np.int64)
+            for capture, lo, size in replays:
+                part = slice(lo, lo + size)
+                entries[part], valid[part] = capture.forced(layer, positions[part])
+                rows[part] = True
+            dev = self.device
+            step.forced[layer] = ForcedRows(
+                torch.from_numpy(rows).to(dev), torch.from_numpy(entries).to(dev),
+                torch.from_numpy(valid).to(dev),
+            )  # fmt: skip
+        return step
+
+    def _record_topk(self, batch: ScheduledBatch, topk: TopkStep) -> None:
+        """Each capturing request's rows of the step's selections, to its recorder (host)."""
+        positions = np.asarray(batch.plan.arrays.positions)
+        sizes = [len(c) for c in batch.chunks]
+        host = {i: (s.entries.cpu().numpy(), s.valid.cpu().numpy()) for i, s in
+                topk.selected.items()}  # fmt: skip
+        for seq, lo, size in zip(batch.seqs, _offsets(sizes), sizes):
+            if not seq.params.capture_topk:
+                continue
+            if seq.topk is None:
+                seq.topk = TopkRecorder(self.paged.model)
+            part = slice(lo, lo + size)
+            for layer, (entries, valid) in host.items():
+                seq.topk.add(layer, positions[part], entries[part], valid[part])
 
     def graph_forward(self, seqs: list[_Seq], tokens: list[int], deltas) -> torch.Tensor:
         """One serialised graph decode step (synchronised, timed); the seam tests wrap
@@ -118,3 +168,8 @@ class ModelRunner:
         """The table changes noted since the last graph step."""
         out, self._deltas = self._deltas, []
         return out
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    """The flat row where each request's chunk starts."""
+    return np.cumsum([0] + sizes[:-1]).tolist()

@@ -84,8 +84,11 @@ class OverlapDecode:
         self._inflight = self.scheduler.inflight = step
 
     def overlappable(self, seqs: list[_Seq]) -> bool:
-        """Whether this decode batch can run overlapped (greedy rows, nothing reads logits)."""
-        return self.emission.on_logits is None and all(s.sampler.greedy for s in seqs)
+        """Whether this decode batch can run overlapped (greedy rows, nothing reads logits, no
+        top-k capture or replay: those run paged)."""
+        return self.emission.on_logits is None and all(
+            s.sampler.greedy and not s.params.uses_topk for s in seqs
+        )
 
     def decode(self, batch: list[_Seq]) -> list[GenerationResult]:
         """Launches the decode step of ``batch``, then resolves the step in flight; returns

@@ -151,7 +151,7 @@ class Runner:
         self.spec = make_speculation(self.model_runner, draft, max_running, self.spec_tokens)
         self.memory = prefill_budget(model, dtype, self.device, memory_budget)
         self._rules = SubmissionRules(
-            model.vocab_size, self.cache, self.spec_tokens, tail_only, self.memory
+            model.vocab_size, self.cache, self.spec_tokens, tail_only, self.memory, model
         )
         self._schedule(schedule, hisparse_pages or 0)
         self.emission = Emission(self.scheduler, self.stats, tail_only=tail_only,

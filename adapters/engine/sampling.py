@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
+from adapters.forward.topk_capture import TopkCapture
 from adapters.model.tempered import MIN_TEMPERATURE
 from shadowradix import InvalidRequestError
 
@@ -19,13 +21,22 @@ class SamplingParams:
     across preemption (one draw per generated token). ``stop_token`` ends generation early.
     ``prompt_logprobs``: return the log-probability of every prompt token given the tokens
     before it (`GenerationResult.prompt_logprobs`); the whole prompt is then computed, never
-    read from the prefix cache."""
+    read from the prefix cache.
+
+    ``capture_topk``: record every indexer layer's top-k of every position the request
+    computes (`GenerationResult.topk`, a `TopkCapture`). ``replay_topk``: force the indexer
+    layers to that capture's selections (a forced replay; the capture must fit the model and
+    the prompt, checked at submit). A forced run's cache state is not the model's own, so it
+    lives in a prefix-cache namespace of its capture (`cache_namespace`). Both: docs/runner.md,
+    "Top-k capture and forced replay"."""
 
     max_new_tokens: int = 32
     temperature: float = 0.0
     seed: int = 0
     stop_token: int | None = None
     prompt_logprobs: bool = False
+    capture_topk: bool = False
+    replay_topk: TopkCapture | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -44,6 +55,21 @@ class SamplingParams:
             raise InvalidRequestError("seed must be an int")
         if not isinstance(self.prompt_logprobs, bool):
             raise InvalidRequestError("prompt_logprobs must be a bool")
+        if not isinstance(self.capture_topk, bool):
+            raise InvalidRequestError("capture_topk must be a bool")
+        if self.replay_topk is not None and not isinstance(self.replay_topk, TopkCapture):
+            raise InvalidRequestError("replay_topk must be a TopkCapture")
+
+    @property
+    def uses_topk(self) -> bool:
+        """The request captures or forces indexer selections (its forwards run paged)."""
+        return self.capture_topk or self.replay_topk is not None
+
+    @property
+    def cache_namespace(self) -> Hashable:
+        """The prefix-cache namespace of the request: a forced replay's own (its capture's
+        digest: forced runs of one capture share exact state), else the default (None)."""
+        return None if self.replay_topk is None else ("replay_topk", self.replay_topk.digest)
 
 
 def sample_batch(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:

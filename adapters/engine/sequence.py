@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # torch-free at run time: the scheduler imports this module
     import torch
 
     from adapters.engine.sampling import Sampler, SamplingParams
+    from adapters.forward.topk_capture import TopkCapture, TopkRecorder
 
 
 class FailureStage(Enum):
@@ -58,7 +59,10 @@ class GenerationResult:
     prefill skipped some of its prompt tokens past the last KV-source layer, or it reused a
     cached prefix after the runner had skipped tokens. ``prompt_logprobs``: with
     ``SamplingParams(prompt_logprobs=True)``, ``None`` for the first prompt token, then the
-    log-probability of each prompt token given the tokens before it."""
+    log-probability of each prompt token given the tokens before it. ``topk``: with
+    ``SamplingParams(capture_topk=True)``, the selections of every position this request
+    computed (``first_position`` > 0 after a prefix-cache hit: the cached positions were not
+    computed, so not captured); None if it computed none."""
 
     request_id: int
     prompt: list[int]
@@ -73,6 +77,7 @@ class GenerationResult:
     approximate: bool = False
     prompt_logprobs: list[float | None] | None = None
     failure: RequestFailure | None = None
+    topk: TopkCapture | None = None
 
 
 @dataclass(eq=False)  # compared by identity: the runner's lists remove the record itself
@@ -92,6 +97,8 @@ class _Seq:
     replay_at: int | None = None
     #: (cache request, main hidden state at its last computed position): MTP drafts only
     hidden: tuple[Request, torch.Tensor] | None = None
+    #: the selections recorded so far (``capture_topk`` only; made by the model runner)
+    topk: TopkRecorder | None = None
     _prompt_array: np.ndarray | None = field(default=None, repr=False)
 
     def prompt_array(self) -> np.ndarray:

@@ -13,6 +13,7 @@ import numpy as np
 from adapters.engine.sampling import SamplingParams
 from adapters.engine.sequence import FailureStage, GenerationResult, RequestFailure
 from adapters.forward.memory_plan import PrefillBudget
+from adapters.model.model_config import ModelConfig
 from shadowradix import InvalidRequestError, ShadowRadixCache
 
 
@@ -43,13 +44,15 @@ class SubmissionRules:
     """What a request must satisfy: tokens in ``[0, vocab_size)``, prompt + output (+ the
     draft tokens of a verify step) within the ``cache``'s full pool as it is now (a re-balance
     may resize it), a one-token step within the memory budget, no prompt logprobs under
-    ``tail_only``."""
+    ``tail_only``, no top-k capture / replay under ``tail_only`` or speculation, a replayed
+    capture that fits ``model`` and the prompt (`TopkCapture.check`)."""
 
     vocab_size: int
     cache: ShadowRadixCache
     spec_tokens: int
     tail_only: bool
     memory: PrefillBudget
+    model: ModelConfig | None = None
 
     def tokens(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
         """``prompt`` as a list of token ids; `InvalidRequestError` (`UnsupportedRequestError`,
@@ -79,7 +82,17 @@ class SubmissionRules:
                 f"exceeds the full pool ({full_capacity} tokens): it could never run"
             )
         self.memory.check(total, 1 + self.spec_tokens)
+        self._check_topk(tokens, params)
         return tokens
+
+    def _check_topk(self, tokens: list[int], params: SamplingParams) -> None:
+        if params.uses_topk and (self.tail_only or self.spec_tokens):
+            raise UnsupportedRequestError(
+                "top-k capture / replay is not supported with tail-only prefill (later layers "
+                "skip positions) or speculative decoding (verify rows are rolled back)"
+            )
+        if params.replay_topk is not None and self.model is not None:
+            params.replay_topk.check(self.model, tokens, params.max_new_tokens)
 
 
 def per_prompt(

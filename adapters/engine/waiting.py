@@ -100,7 +100,8 @@ class WaitingQueue:
             return seq.match
         tokens = seq.tokens
         keep = 0 if seq.params.prompt_logprobs else len(tokens) - 1
-        seq.match = self.cache.match_prefix(tokens, max_len=keep)
+        namespace = seq.params.cache_namespace  # a forced replay's own (SamplingParams)
+        seq.match = self.cache.match_prefix(tokens, max_len=keep, namespace=namespace)
         return seq.match
 
     def end_round(self, admitted: list[_Seq]) -> None:

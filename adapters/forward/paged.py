@@ -363,14 +363,10 @@ def _as_pool(chosen: torch.Tensor, selected: PoolRows) -> tuple[torch.Tensor, Po
 
 @torch.no_grad()
 def run_step(
-    weights: ModelWeights,
-    pools: KVPools,
-    step: PagedStep,
-    logit_rows: torch.Tensor | None,
-    offload: C4Offload | None = None,
-    topk: TopkStep | None = None,
+    weights: ModelWeights, pools: KVPools, step: PagedStep, logit_rows: torch.Tensor | None,
+    offload: C4Offload | None = None, topk: TopkStep | None = None,
     engram: EngramStep | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Runs the layers over the step's new tokens; returns logits of ``logit_rows``.
     ``topk``: forced selections in, the step's selections out (`TopkStep`). ``engram``: the
     step's Engram memory (an Engram model's; `adapters.model.engram`)."""
@@ -382,14 +378,10 @@ def run_step(
 
 @torch.no_grad()
 def run_tail_only_step(
-    weights: ModelWeights,
-    pools: KVPools,
-    step: PagedStep,
-    tail_rows: torch.Tensor,
-    logit_rows: torch.Tensor | None,
-    offload: C4Offload | None = None,
+    weights: ModelWeights, pools: KVPools, step: PagedStep, tail_rows: torch.Tensor,
+    logit_rows: torch.Tensor | None, offload: C4Offload | None = None,
     engram: EngramStep | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Tail-only prefill (`model.forward_tail_only`): the layers after the last KV source run
     over ``tail_rows`` only; ``logit_rows`` index into ``tail_rows``. Marks in
     ``pools.late_swa_valid`` (required) which SWA slots those layers now hold: the tail's,
