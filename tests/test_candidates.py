@@ -226,3 +226,19 @@ def test_graph_decoder_equals_reference() -> None:
         assert_exact(torch.cat(got[i]), reference_logits(eng.weights, p + fed[i]), f"req {i}")
     for r in reqs:
         eng.cache.finish(r)
+
+
+def test_forwards_without_candidates_refuse_a_model_that_has_them() -> None:
+    """The bounded-replay oracle, training and context-parallel prefill do not apply shared
+    candidates: each refuses such a model instead of computing another one silently."""
+    from adapters.distributed.cp import CPKeys
+    from adapters.model.replay_reference import SegmentedReference
+    from adapters.training.keys import TrainKeys
+
+    with pytest.raises(ValueError, match="bounded-replay oracle"):
+        SegmentedReference(weights(SMALL_CANDS))
+    with pytest.raises(ValueError, match="training"):
+        TrainKeys(SMALL_CANDS, 1, 16)
+    with pytest.raises(ValueError, match="context-parallel"):
+        CPKeys(SMALL_CANDS, None, None, torch.device("cpu"))  # type: ignore[arg-type]
+    SegmentedReference(weights(unfiltered(SMALL_CANDS)))  # without candidates: accepted

@@ -33,6 +33,7 @@ from adapters.distributed.cp_comm import Comm
 from adapters.distributed.cp_layout import CPLayout, CPLayoutError
 from adapters.distributed.cp_plan import StreamPlan, WindowPlan, stream_plan, window_plan
 from adapters.model import ops
+from adapters.model.candidates import refuse_candidates
 from adapters.model.model import LayerInput, compress_rows, forward
 from adapters.model.model_config import ModelConfig
 from adapters.model.reference import DenseKeys
@@ -49,6 +50,7 @@ class CPKeys(DenseKeys):
     def __init__(
         self, cfg: ModelConfig, layout: CPLayout, comm: Comm, device: torch.device
     ) -> None:
+        refuse_candidates(cfg, "context-parallel prefill")
         super().__init__(cfg, layout.length)
         self.layout, self.comm = layout, comm
         self.window_plan: WindowPlan = window_plan(layout, comm.rank, cfg.window, device)

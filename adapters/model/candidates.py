@@ -88,3 +88,11 @@ def select_candidates(
         blocks = torch.cat((blocks, best), dim=1)
         valid = torch.cat((valid, torch.isfinite(values)), dim=1)
     return Candidates(blocks, valid, block)
+
+
+def refuse_candidates(cfg, what: str) -> None:
+    """Raises `ValueError` when ``cfg`` turns shared candidates on: ``what`` (a forward that
+    does not apply them) would otherwise compute another model without saying so."""
+    if cfg.candidate_source is not None:
+        raise ValueError(f"{what} does not apply V4.1 shared candidates (candidate_source="
+                         f"{cfg.candidate_source}); use the reference or the runner")

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from adapters.model import ops
+from adapters.model.candidates import refuse_candidates
 from adapters.model.model import LayerInput, compress_rows, forward
 from adapters.model.reference import _group_rows
 from adapters.model.weights import Compressor, ModelWeights
@@ -55,6 +56,7 @@ class SegmentedReference:
 
     def __init__(self, weights: ModelWeights) -> None:
         cfg, dev = weights.config, weights.device
+        refuse_candidates(cfg, "the bounded-replay oracle")
         self.weights = weights
         self.tokens: list[int] = []
         self._layers = [

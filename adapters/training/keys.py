@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from adapters.model import ops
+from adapters.model.candidates import refuse_candidates
 from adapters.model.model import LayerInput, compress_rows
 from adapters.model.model_config import ModelConfig
 from adapters.model.reference import group_rows, source_entries
@@ -53,6 +54,7 @@ class TrainKeys:
     def __init__(
         self, cfg: ModelConfig, batch: int, length: int, aux: bool = True, measure: bool = False
     ) -> None:
+        refuse_candidates(cfg, "training")
         self.cfg, self.batch, self.length = cfg, batch, length
         self.aux, self.measure = aux, measure
         self.mass: list[torch.Tensor] = []
