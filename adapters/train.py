@@ -24,7 +24,7 @@ import torch
 
 from adapters.memory.device import resolve_device
 from adapters.model.eagle import save_eagle
-from adapters.model.model_config import preset
+from adapters.model.model_config import plain_fields, preset
 from adapters.model.weights import ModelWeights
 from adapters.model.weights_file import (
     SHIPPED,
@@ -118,7 +118,7 @@ def _evaluation(e: object) -> dict[str, object] | None:
 def _record(path: Path, result: TrainResult, out: Path, sha: str) -> None:
     record = dict(
         meta=_meta(), train_config=dataclasses.asdict(result.config),
-        model_config=dataclasses.asdict(result.weights.config), weights=str(out), sha256=sha,
+        model_config=plain_fields(result.weights.config), weights=str(out), sha256=sha,
         steps_done=result.steps_done, stopped_early=result.stopped_early, wall_s=result.wall_s,
         train=_evaluation(result.train), heldout=_evaluation(result.heldout), log=list(result.log),
     )  # fmt: skip

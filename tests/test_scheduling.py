@@ -94,9 +94,9 @@ class _CountingCache:
     def __init__(self, cache: ShadowRadixCache) -> None:
         self.cache, self.matched = cache, 0
 
-    def match_prefix(self, tokens, max_len=None):
+    def match_prefix(self, tokens, max_len=None, namespace=None):
         self.matched += max_len != 0
-        return self.cache.match_prefix(tokens, max_len=max_len)
+        return self.cache.match_prefix(tokens, max_len=max_len, namespace=namespace)
 
 
 def test_lpm_orders_by_cached_prefix_then_arrival() -> None:

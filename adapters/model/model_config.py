@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -20,12 +21,21 @@ class EngramPlacement(Enum):
     SHARDED = "sharded"  # rows r % world on rank r's host memory, partials all-reduced
 
 
+def plain_fields(config: object) -> dict[str, object]:
+    """A dataclass config's fields with every enum as its value (JSON-safe, and safe for
+    ``torch.load(weights_only=True)``)."""
+    fields = dataclasses.asdict(config)  # type: ignore[call-overload]
+    return {k: v.value if isinstance(v, Enum) else v for k, v in fields.items()}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Structure of the embedded model (DESIGN.md §1), every size in elements.
 
     ``compress_ratios[i]`` picks layer ``i``'s compressed stream: 0 = SWA only, 4 = C4
-    (overlapped, sparse top-k through the indexer), anything else = dense compressed attention.
+    (overlapped, sparse top-k through the indexer), 2 = C2 (V4.1 pairwise: no overlap, sparse
+    top-k through its own indexer over C2 keys), anything else = dense compressed attention.
+    ``overlap_ratios`` / ``sparse_ratios`` name those roles (docs/design.md, "C2").
     One latent of ``head_dim`` values (the last ``rope_dim`` rotated) is both K and V.
 
     V4.1 cross-layer sharing (docs/sharing.md), both empty by default (no sharing):
@@ -37,7 +47,8 @@ class ModelConfig:
     * ``index_sources``: the C4 layers that run the indexer (their own queries against their
       KV source's indexer keys). Every other C4 layer reuses the top-k selection of the nearest
       preceding index source. Empty: every C4 layer runs the indexer. A C4 KV source must be an
-      index source (the layer that writes indexer keys also scores with them).
+      index source (the layer that writes indexer keys also scores with them). The same holds
+      for C2 layers, with C2 sources: a selection is only ever reused within one ratio.
 
     Raises `ValueError` for bad sizes or ratios, and for sources that are not increasing layer
     indices of the right kind, or a consumer with no preceding source of its ratio.
@@ -60,6 +71,8 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-6
     overlap_ratios: tuple[int, ...] = field(default=(4,))
+    #: ratios whose layers attend to an indexer's top-k entries (the rest attend densely)
+    sparse_ratios: tuple[int, ...] = field(default=(2, 4))
     seed: int = 0
     kv_sources: tuple[int, ...] = ()
     index_sources: tuple[int, ...] = ()
@@ -91,8 +104,10 @@ class ModelConfig:
             raise ValueError("sizes must be positive")
         if any(r < 0 or (r and r & (r - 1)) for r in self.compress_ratios):
             raise ValueError("compress ratios must be 0 or powers of two")
+        if any(r < 1 or r & (r - 1) for r in self.overlap_ratios + self.sparse_ratios):
+            raise ValueError("overlap and sparse ratios must be powers of two")
         self._check_sources("kv_sources", self.kv_sources, lambda r: r > 0, "a compressed")
-        self._check_sources("index_sources", self.index_sources, self.is_sparse, "a C4")
+        self._check_sources("index_sources", self.index_sources, self.is_sparse, "a sparse")
         for layer, ratio in enumerate(self.compress_ratios):
             self._check_consumer(layer, ratio)
         self._check_candidates()
@@ -151,12 +166,13 @@ class ModelConfig:
             return
         if self._nearest(self.index_sources, layer, ratio) is None:
             raise ValueError(
-                f"C4 layer {layer} reuses a top-k selection, but no index-source layer precedes "
-                f"it (index_sources={self.index_sources})"
+                f"C{ratio} layer {layer} reuses a top-k selection, but no index-source layer of "
+                f"ratio {ratio} precedes it (index_sources={self.index_sources})"
             )
         if layer in self.kv_sources and layer not in self.index_sources:
             raise ValueError(
-                f"C4 KV-source layer {layer} writes indexer keys, so it must be an index source"
+                f"C{ratio} KV-source layer {layer} writes indexer keys, so it must be an index "
+                "source"
             )
 
     def _nearest(self, sources: tuple[int, ...], layer: int, ratio: int) -> int | None:
@@ -181,8 +197,9 @@ class ModelConfig:
         return ratio in self.overlap_ratios
 
     def is_sparse(self, ratio: int) -> bool:
-        """C4 layers select top-k entries through the indexer; other ratios attend densely."""
-        return ratio == 4
+        """Layers of ``sparse_ratios`` (C4, C2) select top-k entries through an indexer; other
+        ratios attend densely."""
+        return ratio in self.sparse_ratios
 
     @property
     def shares_kv(self) -> bool:
@@ -207,18 +224,20 @@ class ModelConfig:
         return found
 
     def runs_indexer(self, layer: int) -> bool:
-        """Whether C4 ``layer`` scores with its own queries (else it reuses a selection)."""
+        """Whether sparse ``layer`` scores with its own queries (else it reuses a selection)."""
         return self.is_sparse(self.compress_ratios[layer]) and (
             not self.index_sources or layer in self.index_sources
         )
 
     def index_source_of(self, layer: int) -> int:
-        """The layer whose top-k selection C4 ``layer`` uses (itself if it runs the indexer)."""
-        if not self.is_sparse(self.compress_ratios[layer]):
-            raise ValueError(f"layer {layer} is not a C4 layer: it selects nothing")
+        """The layer whose top-k selection sparse ``layer`` uses (itself if it runs the
+        indexer): the nearest preceding index source of the same ratio."""
+        ratio = self.compress_ratios[layer]
+        if not self.is_sparse(ratio):
+            raise ValueError(f"layer {layer} is not a C4 / C2 (sparse) layer: it selects nothing")
         if not self.index_sources:
             return layer
-        found = self._nearest(self.index_sources, layer, 4)
+        found = self._nearest(self.index_sources, layer, ratio)
         assert found is not None  # validated in __post_init__
         return found
 
@@ -246,6 +265,11 @@ class ModelConfig:
             self, name=f"{self.name}-unshared", kv_sources=(), index_sources=(),
             candidate_source=None,
         )  # fmt: skip
+
+    def plain(self) -> dict[str, object]:
+        """The fields as JSON / ``torch.load(weights_only=True)``-safe values (`plain_fields`):
+        what weights files, checkpoints and logs record."""
+        return plain_fields(self)
 
     def first_layers(self, n: int) -> ModelConfig:
         """The model cut to its first ``n`` layers (sources beyond the cut dropped). Raises
@@ -305,6 +329,11 @@ TINY_TRAINED = replace(TINY, name="tiny-trained")
 #: prefill's quality is measurable on it
 TINY_SHARED_TRAINED = replace(TINY_SHARED, name="tiny-shared-trained")
 
+#: V4.1's pairwise compression (seeds: layers 2-19 are C2) among V4's streams: SWA-only
+#: layers 0-1, C2 layers 2 and 5 (sparse, each with its own indexer over C2 keys), C4 layer 3,
+#: C128 layer 4 (docs/design.md, "C2")
+TINY_C2 = replace(TINY, name="tiny-c2", compress_ratios=(0, 0, 2, 4, 128, 2))
+
 #: V4.1 Engram memory (docs/engram.md): layers 1 and 4 each read a 4093-row fp8 table
 TINY_ENGRAM = replace(TINY, name="tiny-engram", engram_layers=(1, 4), engram_rows=4093)
 #: flash-shaped with two Engram tables of 47.2 GiB in all (a quarter of V4.1's 189 GiB: one
@@ -321,6 +350,7 @@ PRESETS = {
     "tiny-shared": TINY_SHARED,
     "tiny-shared-trained": TINY_SHARED_TRAINED,
     "flash-shared": FLASH_SHARED,
+    "tiny-c2": TINY_C2,
     "tiny-engram": TINY_ENGRAM,
     "flash-engram": FLASH_ENGRAM,
 }

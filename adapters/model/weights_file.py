@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 
-from adapters.model.model_config import ModelConfig
+from adapters.model.model_config import EngramPlacement, ModelConfig
 from adapters.model.weights import ModelWeights, init_weights
 
 FORMAT = "shadowradix-weights-1"
 #: ModelConfig fields that do not change the tensors' meaning (``seed`` only draws them)
-_UNCHECKED_FIELDS = ("name", "seed")
+#: fields a file need not match: the name, the init seed, where the Engram tables are placed
+_UNCHECKED_FIELDS = ("name", "seed", "engram_placement")
 TRAINED_DIR = Path(__file__).resolve().parent / "trained"
 
 
@@ -159,7 +160,7 @@ def save_weights(
     from safetensors.torch import save_file
 
     tensors = {n: t.detach().to("cpu", dtype).contiguous() for n, t in state_dict(weights).items()}
-    config = json.dumps(dataclasses.asdict(weights.config))
+    config = json.dumps(weights.config.plain())
     meta = {"format": FORMAT, "config": config, "content_sha256": content_sha256(tensors)}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=meta)
@@ -171,8 +172,10 @@ def _config_of(path: Path, meta: dict[str, str]) -> ModelConfig:
         raise WeightsError(path, f"not a {FORMAT} file (format {meta.get('format')!r})")
     try:
         fields = json.loads(meta["config"])
-        tuples = {k: tuple(v) for k, v in fields.items() if isinstance(v, list)}
-        return ModelConfig(**{**fields, **tuples})
+        typed: dict[str, object] = {k: tuple(v) for k, v in fields.items() if isinstance(v, list)}
+        if "engram_placement" in fields:
+            typed["engram_placement"] = EngramPlacement(fields["engram_placement"])
+        return ModelConfig(**{**fields, **typed})
     except (KeyError, TypeError, ValueError) as exc:
         raise WeightsError(path, f"unreadable model config ({exc})") from None
 

@@ -103,7 +103,7 @@ class ModelObjective:
     def __init__(self, cfg: ModelConfig, tc: TrainConfig, device: torch.device) -> None:
         self.cfg, self.tc = cfg, tc
         self.params = init_params(cfg, device)
-        self.identity: dict[str, object] = dict(model_config=dataclasses.asdict(cfg))
+        self.identity: dict[str, object] = dict(model_config=cfg.plain())
 
     def loss(self, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         out = train_forward(from_state_dict(self.cfg, self.params), tokens)
