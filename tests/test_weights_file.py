@@ -113,3 +113,18 @@ def test_run_with_weights_loads_them_and_a_bad_file_is_a_one_line_error(tmp_path
     assert main([*argv, "--layers", "2", "--weights", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "weights of another model" in err and "\n" not in err
+
+
+def test_an_engram_model_saves_and_loads_whatever_its_placement(tmp_path) -> None:
+    """The file records the config as plain values (an enum as its value); where the Engram
+    tables are placed is not part of what a file must match."""
+    from adapters.model.model_config import EngramPlacement
+
+    cfg = preset("tiny-engram")
+    weights = init_weights(cfg, "cpu", torch.float32)
+    path = tmp_path / "engram.safetensors"
+    weights_file.save_weights(weights, path)
+    host = replace(cfg, engram_placement=EngramPlacement.HOST)
+    loaded = weights_file.load_weights(path, host)
+    assert loaded.config.engram_placement is EngramPlacement.HOST
+    assert torch.equal(loaded.embed, weights.embed.to(torch.bfloat16).float())
