@@ -8,8 +8,11 @@ it preempts anything.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from adapters.engine.modes import MODE_ARGUMENTS, Mode, Modes, check_modes
 from adapters.engine.runner import Runner
 from adapters.memory.device import resolve_device
 from adapters.memory.pool_balance import PoolBalance
@@ -32,8 +35,12 @@ def budget_runner(
     ``swa_full_tokens_ratio`` SWA tokens per full token to start with, re-balanced at run time
     unless ``rebalance=False``. ``cache_kwargs`` go to the `CacheConfig`, ``runner_kwargs`` to
     the `Runner` (its pool options: ``tail_only``, ``index_format``, ``swa_format``, a
-    speculative MTP draft, are counted in the budget)."""
+    speculative MTP draft, are counted in the budget). Raises `UnsupportedModeError` for
+    modes that cannot run together (re-balance included) before anything is sized."""
     device = resolve_device(runner_kwargs.pop("device", None))  # type: ignore[arg-type]
+    replay = bool((cache_kwargs or {}).get("bounded_replay", False))
+    mode_kwargs: dict[str, Any] = {k: v for k, v in runner_kwargs.items() if k in MODE_ARGUMENTS}
+    check_modes(Modes.of(device, model, bounded_replay=replay, rebalance=rebalance, **mode_kwargs))
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pool_kwargs: dict[str, object] = {
@@ -58,10 +65,10 @@ def budget_runner(
 def enable_rebalance(runner: Runner, budget: int, **kwargs: object) -> PoolBalance:
     """Turn on run-time re-balancing for ``runner``, whose pools were sized from ``budget``
     bytes (`pool_budget.budget_cache_config` with the runner's pool options); ``kwargs`` go to
-    `PoolBalance`. Raises `ValueError` with HiSparse (its mirror is keyed by page) or if the
-    pools already exceed the budget."""
-    if runner.offload is not None:
-        raise ValueError("run-time re-balancing is not supported with HiSparse")
+    `PoolBalance`. Raises `UnsupportedModeError` for a runner whose modes cannot be
+    re-balanced (HiSparse: its mirror is keyed by page), `ValueError` if the pools already
+    exceed the budget."""
+    check_modes(runner.modes.with_mode(Mode.REBALANCE))
     pools, cfg = runner.pools, runner.cache.config
     costs = pool_costs(
         runner.model,

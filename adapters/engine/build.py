@@ -1,8 +1,8 @@
 """How `Runner(...)` is put together: the checks it makes of its arguments before it allocates
 anything (the chunk against the SWA pool, tail-only prefill against the model, speculation
-against the cache and the other modes; each raises `ValueError` naming what cannot run), and
-the execution side it builds (the HiSparse executor, the model runner and its graph decoder or
-verifier)."""
+against the cache; each raises `ValueError` naming what cannot run; how modes combine is
+`modes.check_modes`'s), and the execution side it builds (the HiSparse executor, the model
+runner and its graph decoder or verifier)."""
 
 from __future__ import annotations
 
@@ -54,10 +54,10 @@ def check_speculation(
     cache_config: CacheConfig,
     num_tokens: int | None,
     draft: DraftSource | None,
-    hisparse_pages: int | None,
 ) -> DraftSource | None:
     """The draft source of a speculative runner (`MTPDraft` by default), ``None`` without
-    speculation; `ValueError` for a combination the runner cannot run."""
+    speculation; `ValueError` for a speculation the cache or the model cannot run (its
+    combinations with other modes: `modes.check_modes`)."""
     if num_tokens is None:
         if draft is not None:
             raise ValueError("a draft source needs speculative_tokens=k")
@@ -79,8 +79,6 @@ def check_speculation(
             f"{num_tokens + 1} tokens plus its window (needs {verify_need}); lower "
             "speculative_tokens"
         )
-    if hisparse_pages is not None:
-        raise ValueError("speculative decoding with HiSparse is not supported")
     if draft is None:
         if not model.mtp:
             raise ValueError("the model has no MTP layer: pass a draft source")
@@ -88,22 +86,11 @@ def check_speculation(
     return draft
 
 
-def check_mtp(uses_mtp: bool, tail_only: bool) -> None:
-    """MTP drafts read every prompt position's hidden state: not with tail-only prefill."""
-    if uses_mtp and tail_only:
-        raise ValueError(
-            "MTP drafts with tail-only prefill are not supported: the MTP layer reads the "
-            "main model's hidden state at every prompt position (use another draft source)"
-        )
-
-
-def check_hisparse(model: ModelConfig, hisparse_pages: int | None, graph_decode: bool | None):
-    """A HiSparse buffer that holds one query's top-k pages plus the page it writes, and no
-    graph decode with it (the plan needs the top-k on the host mid-forward)."""
+def check_hisparse(model: ModelConfig, hisparse_pages: int | None) -> None:
+    """A HiSparse buffer that holds one query's top-k pages plus the page it writes (its
+    combinations with other modes: `modes.check_modes`)."""
     if hisparse_pages is None:
         return
-    if graph_decode:
-        raise ValueError("HiSparse plans on the host mid-forward: no graph decode with it")
     if hisparse_pages < model.index_topk + 1:
         raise ValueError(
             f"hisparse_pages={hisparse_pages} cannot hold one query's top-"

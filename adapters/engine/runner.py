@@ -26,7 +26,6 @@ from adapters.engine.batch import BatchKind
 from adapters.engine.build import (
     check_chunk,
     check_hisparse,
-    check_mtp,
     check_speculation,
     check_tail_only,
     make_model_runner,
@@ -37,6 +36,7 @@ from adapters.engine.chunks import StepBudget
 from adapters.engine.drafts import DraftSource
 from adapters.engine.emission import Emission
 from adapters.engine.forward import Forward
+from adapters.engine.modes import Modes, UnsupportedModeError, check_modes
 from adapters.engine.overlap import OverlapDecode, check_overlap
 from adapters.engine.runner_stats import ExecutionPaths, RunnerStats
 from adapters.engine.sampling import Sampler, SamplingParams
@@ -61,14 +61,9 @@ from adapters.model.weights import ModelWeights, init_weights
 from shadowradix import CacheConfig, InvalidRequestError, RebalanceReport, ShadowRadixCache
 
 __all__ = [
-    "FailureStage",
-    "GenerationResult",
-    "RequestFailure",
-    "Runner",
-    "RunnerStats",
-    "SchedulePolicy",
-    "UnsupportedRequestError",
-]
+    "FailureStage", "GenerationResult", "RequestFailure", "Runner", "RunnerStats",
+    "SchedulePolicy", "UnsupportedModeError", "UnsupportedRequestError",
+]  # fmt: skip
 
 
 class Runner:
@@ -94,10 +89,11 @@ class Runner:
     decoder). ``index_format`` / ``swa_format``: cache formats (docs/formats.md).
     ``on_logits`` (attribute): called with the results and logits rows of every sampling step.
 
-    Raises `ValueError` for a combination it cannot run, a cache config that does not match
-    the model or a chunk the SWA pool cannot hold, `DeviceError` for an unusable device,
-    `PoolMemoryError` for pools larger than its free memory. A forward that raises fails only
-    its own requests (`Emission.isolated`)."""
+    Raises `UnsupportedModeError` (a `ConfigError`) for modes that cannot run together
+    (`modes.check_modes`, before anything is allocated), `ValueError` for a cache config that
+    does not match the model or a chunk the SWA pool cannot hold, `DeviceError` for an
+    unusable device, `PoolMemoryError` for pools larger than its free memory. A forward that
+    raises fails only its own requests (`Emission.isolated`)."""
 
     def __init__(
         self,
@@ -120,16 +116,20 @@ class Runner:
         overlap: bool | None = None,
     ) -> None:
         self.device = resolve_device(device)
+        self.modes = check_modes(Modes.of(  # every combination, before anything is allocated
+            self.device, model, bounded_replay=cache_config.bounded_replay, overlap=overlap,
+            graph_decode=graph_decode, hisparse_pages=hisparse_pages, tail_only=tail_only,
+            speculative_tokens=speculative_tokens, draft=draft, memory_budget=memory_budget,
+            index_format=index_format, swa_format=swa_format, schedule=schedule))  # fmt: skip
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         check_chunk(cache_config, chunk_tokens, max_running)
         self.model, self.tail_only = model, check_tail_only(model, tail_only)
         need = pool_bytes(model, cache_config, dtype, index_format, swa_format)
         check_pools_fit(need, self.device)  # before the cache's page lists and the pools
         self.cache = ShadowRadixCache(cache_config)
-        check_hisparse(model, hisparse_pages, graph_decode)
-        draft = check_speculation(model, cache_config, speculative_tokens, draft, hisparse_pages)
+        check_hisparse(model, hisparse_pages)
+        draft = check_speculation(model, cache_config, speculative_tokens, draft)
         mtp = draft is not None and draft.uses_mtp
-        check_mtp(mtp, tail_only)
         self.pools = KVPools(
             model, cache_config, self.device, dtype, offload_c4=hisparse_pages is not None,
             track_late_swa=tail_only, mtp=mtp, index_format=index_format, swa_format=swa_format,
