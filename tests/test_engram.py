@@ -147,5 +147,14 @@ def test_speculation_and_sharded_without_group_are_refused() -> None:
     cc = CFG.cache_config(page_size=16, full_capacity=1024, swa_capacity=768, speculative=True)
     with pytest.raises(EngramPlacementError, match="speculative"):
         Runner(CFG, cc, chunk_tokens=32, speculative_tokens=2, graph_decode=False)
+    from adapters.engine import runner as runner_module
+
+    def no_pools(*args, **kwargs):
+        raise AssertionError("pools sized before the refusal")
+
+    with pytest.MonkeyPatch.context() as mp:  # refused with the other modes, before any pool
+        mp.setattr(runner_module, "pool_bytes", no_pools)
+        with pytest.raises(EngramPlacementError, match="speculative"):
+            Runner(CFG, cc, chunk_tokens=32, speculative_tokens=2, graph_decode=False)
     with pytest.raises(EngramPlacementError, match="process group"):
         place_engram(replace(CFG, engram_placement=EngramPlacement.SHARDED), CPU, torch.float32)

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from adapters.distributed.engram_shard import check_engram_modes
 from adapters.engine.drafts import DraftContext, DraftSource, MTPDraft
 from adapters.engine.forward import Forward
 from adapters.engine.model_runner import ModelRunner
@@ -121,7 +120,6 @@ def make_model_runner(
     """The model runner over ``paged``, with the graph decoder (``graph``, plain decode) or the
     graph verifier (``graph`` and ``speculative``: verify steps of ``spec_tokens + 1``)."""
     weights, pools, cc = paged.weights, paged.pools, paged.cache.config
-    check_engram_modes(weights.config, speculative)
     decoder = verifier = None
     if graph and not speculative:
         decoder = GraphDecoder(

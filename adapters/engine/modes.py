@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from adapters.distributed.engram_shard import check_engram_modes
 from adapters.engine.drafts import DraftSource
 from adapters.engine.waiting import SchedulePolicy
 from adapters.memory.formats import CacheFormat
@@ -237,6 +238,7 @@ class Modes:
         cuda = device.type == "cuda"
         graph = graph_decode if graph_decode is not None else cuda and hisparse_pages is None
         spec = speculative_tokens is not None
+        check_engram_modes(model, spec)  # a model property, not a pair of the table
         if overlap is None:
             overlap = bool(graph) and cuda and not spec
         mtp = spec and (draft.uses_mtp if draft is not None else model.mtp)
