@@ -51,7 +51,16 @@ def test_run_prompts_from_arguments_and_file(
     [
         (["run", "x", "--device", "tpu"], "not a device"),
         (["run", "x", "--device", "mps"], "unsupported device type"),
-        (["run", "x", "--model", "huge"], "unknown model preset"),
+        (["run", "x", "--model", "huge"], "--model: invalid choice: 'huge'"),
+        (["run", "x", "--model", ""], "--model: invalid choice: ''"),
+        (["run", "x", "--file", ""], "--file: an empty path"),
+        (["run", "x", "--pool-budget-gib", "inf"], "--pool-budget-gib: inf must be finite"),
+        (["run", "x", "--temperature", "inf"], "--temperature: inf must be finite"),
+        (["run", "x", "--seed", "9" * 30], "--seed: " + "9" * 30 + " is above"),
+        (["run", "x", "--arrival-steps", "99999999"], "--arrival-steps: 99999999 is above"),
+        (["run", "x", "--device", "cpu", "--hisparse-pages", "99999999999"],
+         "lower --hisparse-pages"),
+        (["demo", "--conversations", "100000000"], "--conversations: 100000000 is above"),
         (["run", "x", "--temperature", "-1"], "temperature"),
         (["run", "x", "--chunk-tokens", "100000"], "SWA pool"),
         (["run", "x", "--file", "/nonexistent/prompts.txt"], "No such file"),
@@ -203,3 +212,18 @@ def test_run_within_a_pool_budget(capsys: pytest.CaptureFixture[str]) -> None:
             "--pool-budget-gib", str(budget), "--chunk-tokens", "64"]  # fmt: skip
     assert main(argv) == 0
     assert f"(from {budget:g} GiB, re-balanced at run time)" in capsys.readouterr().out
+
+
+def test_equal_prompts_sample_their_own_continuations(capsys: pytest.CaptureFixture[str]) -> None:
+    """Prompt i samples with --seed + i: two equal prompts at a temperature differ, and the
+    run is reproducible."""
+    argv = ["run", "And God said", "And God said", "--device", "cpu", "--temperature", "1.5",
+            "--max-new-tokens", "24", "--seed", "3", "--arrival-steps", "0"]  # fmt: skip
+    outs = []
+    for _ in range(2):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        outs.append(re.findall(r"^\[(\d)\] \S+ \(hit \d+ tok\): (.*)$", out, re.M))
+    assert outs[0] == outs[1]  # reproducible
+    texts = dict(outs[0])
+    assert texts["0"] != texts["1"]  # each prompt its own sample

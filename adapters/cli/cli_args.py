@@ -29,6 +29,19 @@ def non_negative(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def bounded(low: int, high: int):
+    """argparse type: an integer in ``[low, high]`` (a flag whose huge values would exhaust
+    memory or spin for hours gets a one-line error instead)."""
+
+    def parse(text: str) -> int:
+        value = _int_at_least(text, low)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"{value} is above {high}")
+        return value
+
+    return parse
+
+
 def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
@@ -47,9 +60,9 @@ def add_demo_parser(sub) -> None:  # type: ignore[no-untyped-def]
                       help="full pool capacity in tokens (default 65536)")  # fmt: skip
     demo.add_argument("--swa-tokens", type=positive, default=16 * 1024,
                       help="sliding-window pool capacity in tokens (default 16384)")  # fmt: skip
-    demo.add_argument("--conversations", type=positive, default=48,
+    demo.add_argument("--conversations", type=bounded(1, 100_000), default=48,
                       help="conversations in the trace (default 48)")  # fmt: skip
-    demo.add_argument("--turns", type=positive, default=4,
+    demo.add_argument("--turns", type=bounded(1, 1_000), default=4,
                       help="turns per conversation (default 4)")  # fmt: skip
     demo.add_argument("--replay", action="store_true", help="enable bounded replay (approximate)")
 

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import math
 import sys
 
-from adapters.cli.cli_args import OneLineParser, add_demo_parser, non_negative, positive, run_demo
+from adapters.cli.cli_args import (
+    OneLineParser,
+    add_demo_parser,
+    bounded,
+    positive,
+    run_demo,
+)
+from adapters.model.model_config import PRESETS
 from shadowradix.errors import ShadowRadixError
 
 DEFAULT_SYSTEM = (
@@ -33,7 +41,9 @@ def _non_negative_float(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"{text} must be >= 0")
+        raise argparse.ArgumentTypeError(f"{text} must be a number >= 0")
+    if math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text} must be finite")
     return value
 
 
@@ -50,8 +60,10 @@ def add_run_parser(sub) -> None:
     run.add_argument("--file", help="read prompts from a file, one per non-empty line")
     run.add_argument(
         "--model",
-        help="model preset: tiny | tiny-trained | flash-shaped | tiny-shared | flash-shared "
-        "(default tiny-trained where its trained weights are shipped, else tiny)",
+        choices=sorted(PRESETS),
+        metavar="PRESET",
+        help=f"model preset: {' | '.join(sorted(PRESETS))} (default tiny-trained where its "
+        "trained weights are shipped, else tiny)",
     )
     run.add_argument("--weights", metavar="PATH",
                      help="trained weights (safetensors, `python -m adapters.train`); the "
@@ -63,7 +75,8 @@ def add_run_parser(sub) -> None:
                      help="tokens to generate per prompt (default 48)")  # fmt: skip
     run.add_argument("--temperature", type=_non_negative_float, default=0.0,
                      help="sampling temperature; 0 is greedy (default)")  # fmt: skip
-    run.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    run.add_argument("--seed", type=bounded(0, 2**62), default=0,
+                     help="sampling seed: prompt i samples with seed + i (default 0)")  # fmt: skip
     run.add_argument("--page-size", type=positive, default=64,
                      help="tokens per cache page, a power of two (default 64)")  # fmt: skip
     run.add_argument("--full-tokens", type=positive,
@@ -137,7 +150,7 @@ def add_run_parser(sub) -> None:
     )
     run.add_argument(
         "--arrival-steps",
-        type=non_negative,
+        type=bounded(0, 10_000),
         default=2,
         help="submit one prompt every N steps (0: all at once)",
     )
@@ -148,6 +161,8 @@ def _prompts(args) -> list[str]:
     """The prompts to run: the arguments, then the file's non-empty lines; the built-in set
     only when neither was given. Raises `ValueError` for a file without a prompt."""
     texts = list(args.prompts)
+    if args.file is not None and not args.file.strip():
+        raise ValueError("--file: an empty path")
     if args.file:
         with open(args.file, encoding="utf-8") as fh:
             lines = [line.rstrip("\n") for line in fh if line.strip()]

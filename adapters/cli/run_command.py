@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -36,7 +37,7 @@ def build_runner(args: argparse.Namespace) -> Runner:
     """The runner ``args`` describe: pools of ``--full-tokens`` / ``--swa-tokens``, or sized
     from ``--pool-budget-gib`` and re-balanced at run time. Raises `ValueError` for
     contradicting options."""
-    model = preset(args.model or default_preset())
+    model = preset(args.model if args.model is not None else default_preset())
     if args.layers is not None:
         model = model.first_layers(args.layers)
     device = resolve_device(args.device)
@@ -157,11 +158,14 @@ def run_command(args: argparse.Namespace, texts: list[str]) -> int:
     start, step, refused, order = time.perf_counter(), 0, 0, 0
     ids: dict[int, int] = {}
     while pending or runner.num_pending:
-        if pending and (args.arrival_steps <= 0 or step % args.arrival_steps == 0):
+        # one prompt every --arrival-steps steps; never an idle step while prompts wait
+        due = args.arrival_steps <= 0 or step % args.arrival_steps == 0 or not runner.num_pending
+        if pending and due:
             batch = pending if args.arrival_steps <= 0 else pending[:1]
             for prompt in batch:
-                try:
-                    ids[runner.submit(prompt, params)] = order
+                try:  # prompt i samples with seed + i: equal prompts get their own samples
+                    own = dataclasses.replace(params, seed=args.seed + order)
+                    ids[runner.submit(prompt, own)] = order
                 except InvalidRequestError as exc:  # the others still run
                     bars.note(f"[{order}] refused: {exc}")
                     refused += 1

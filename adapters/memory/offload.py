@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from adapters.memory.device import PoolMemoryError, free_bytes
 from adapters.model.model_config import ModelConfig
 from hisparse import Coordinator, CopyBatch, HiSparseConfig, PinnedPageError
 from hisparse.lifetimes import PageLives
@@ -94,6 +95,7 @@ class C4Offload:
         self.device, self.dtype = device, dtype
         host_pages = cache.max_full_pages
         d, pin = model.head_dim, device.type == "cuda"
+        _check_fits(device, device_pages + 1, host_pages, self.spp * d * len(self.layers), dtype)
         self.host = {
             i: torch.zeros(host_pages, self.spp, d, dtype=dtype, pin_memory=pin)
             for i in self.layers
@@ -339,3 +341,22 @@ def _written_pages(write_slots: np.ndarray, spp: int) -> np.ndarray:
     if not len(write_slots):
         return np.zeros(0, dtype=np.int64)
     return np.unique(write_slots // spp)
+
+
+def _check_fits(
+    device: torch.device, device_pages: int, host_pages: int, row: int, dtype: torch.dtype
+) -> None:
+    """Raises `PoolMemoryError` before allocating a device buffer or host mirror (``row``
+    elements per page over every C4 layer) larger than the memory free for it."""
+    per_page = row * torch.empty((), dtype=dtype).element_size()
+    need = {device: device_pages * per_page}
+    cpu = torch.device("cpu")
+    need[cpu] = need.get(cpu, 0) + host_pages * per_page
+    for dev, nbytes in need.items():
+        free = free_bytes(dev)
+        if nbytes > free:
+            raise PoolMemoryError(
+                f"HiSparse needs {nbytes / 2**30:.2f} GiB on {dev} (device buffer of "
+                f"{device_pages - 1} pages per C4 layer, host mirror of {host_pages}) but "
+                f"{free / 2**30:.2f} GiB are free: lower --hisparse-pages or the full pool"
+            )
