@@ -102,7 +102,7 @@ class RunnerMachine(RuleBasedStateMachine):
         extra_full=st.integers(0, 24),
         extra_swa=st.integers(0, 16),
         graph=st.booleans(),
-        hisparse=st.integers(0, 8) | st.none(),
+        hisparse=st.integers(0, 2) | st.none(),
     )
     def setup(self, page, chunk, max_running, extra_full, extra_swa, graph, hisparse) -> None:
         if hisparse is not None:
@@ -248,9 +248,12 @@ def test_machine_really_exercises_the_runner() -> None:
     run_state_machine_as_test(
         RunnerMachine,
         settings=settings(
-            max_examples=6,
+            # the draws are not fully reproducible (the runner's steps depend on more than
+            # the seed), so enough examples that a HiSparse one swaps whatever ran before
+            max_examples=12,
             stateful_step_count=25,
             derandomize=True,
+            database=None,  # not the examples TestRunnerMachine (same digest) saved before it
             deadline=None,
             suppress_health_check=list(HealthCheck),
         ),
