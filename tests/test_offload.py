@@ -183,3 +183,25 @@ def test_inflight_backups_fill_the_mirror_when_completed() -> None:
     device_bytes, host_bytes = off.nbytes()
     assert device_bytes == 2 * 4 * off.spp * MODEL.head_dim * 8  # 2 C4 layers x (3 + sentinel)
     assert host_bytes == 2 * cc.max_full_pages * off.spp * MODEL.head_dim * 8
+
+
+def test_a_step_counts_the_pages_its_new_entries_land_in() -> None:
+    """A prefill chunk that completes a C4 entry writes a page its queries' top-k need not read:
+    the step's HiSparse working set counts it. Found by the runner machine: with a buffer of
+    exactly top-k + 1 pages, a 1-token chunk completing an entry in a 9th page was batched with
+    another request's chunk, and the step needed 10 slots of 9 (`DeviceBufferFull`)."""
+    from adapters.model.reference import reference_generate
+    from adapters.model.weights import init_weights
+
+    model = preset("tiny", **SMALL_MODEL, window=16, compress_ratios=(0, 4, 16, 4))
+    weights = init_weights(model, "cpu", torch.float64)
+    cc = model.cache_config(page_size=4, full_capacity=44, swa_capacity=28, debug=True)
+    runner = Runner(model, cc, device="cpu", dtype=torch.float64, weights=weights,
+                    chunk_tokens=3, max_running=3, graph_decode=False,
+                    hisparse_pages=model.index_topk + 1)  # fmt: skip
+    a, b, c = (np.random.default_rng(100 + n).integers(0, 256, n).tolist() for n in (9, 18, 30))
+    prompts = [a, b + [0, 0], c + [0] * 6, a]
+    done = runner.generate(prompts, SamplingParams(max_new_tokens=1))
+    for prompt, res in zip(prompts, done):
+        assert res.finish_reason == "length", res.error
+        assert res.output == reference_generate(weights, prompt, 1)

@@ -119,13 +119,20 @@ class StepBudget:
     # -- the HiSparse device buffer --------------------------------------------------------
 
     def working_set(self, seq: _Seq, num_tokens: int) -> int:
-        """Upper bound of the C4 pages one request's ``num_tokens`` new queries read (HiSparse):
-        each reads top-k entries, and no request reads more pages than it has."""
-        pages = -(-(seq.req.length + num_tokens) // self.scheduler.cache.config.page_size)
-        return min(num_tokens * self.config.index_topk, pages)
+        """Upper bound of the C4 pages one request's ``num_tokens`` new tokens touch (HiSparse):
+        each query reads top-k entries, the tokens write into the pages they span (a completed
+        entry lands in its own page, which the reads need not cover), and no request touches
+        more pages than it has."""
+        p, start = self.scheduler.cache.config.page_size, seq.req.length
+        pages = -(-(start + num_tokens) // p)
+        written = (start + num_tokens - 1) // p - start // p + 1
+        return min(num_tokens * self.config.index_topk + written, pages)
 
     def fit_tokens(self, seq: _Seq, wanted: int, pages_left: int) -> int:
         """How many of ``wanted`` tokens fit in the HiSparse device buffer's remaining pages."""
         if not self.config.hisparse or self.working_set(seq, wanted) <= pages_left:
             return wanted
-        return min(wanted, pages_left // self.config.index_topk)
+        n = min(wanted, pages_left // self.config.index_topk)
+        while n and self.working_set(seq, n) > pages_left:  # the pages the tokens write too
+            n -= 1
+        return n
