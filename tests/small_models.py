@@ -3,7 +3,14 @@ forwards take milliseconds."""
 
 from __future__ import annotations
 
-from adapters.model.model_config import preset
+import functools
+from collections.abc import Iterator
+
+import torch
+
+from adapters.model.model_config import ModelConfig, preset
+from adapters.model.reference import reference_logits
+from adapters.model.weights import ModelWeights, init_weights
 
 SMALL = dict(
     hidden=64,
@@ -23,3 +30,25 @@ SHORT = preset("tiny", **SMALL, window=16, compress_ratios=(0, 4, 16, 4))
 SHORT_SHARED = preset(
     "tiny-shared", **{**SMALL, "window": 16, "compress_ratios": (0, 4, 16, 4, 16, 4, 0, 4)}
 )
+
+
+def one_thread() -> Iterator[None]:
+    """A module's torch CPU threads set to 1 and restored (fp64 forwards of these tiny models
+    are faster on one thread, and the suite runs on two cores). Use as
+    ``_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.cache
+def fp64_weights(cfg: ModelConfig) -> ModelWeights:
+    """``cfg``'s seeded weights in fp64 on the CPU, built once per config."""
+    return init_weights(cfg, "cpu", torch.float64)
+
+
+@functools.cache
+def fp64_reference(cfg: ModelConfig, tokens: tuple[int, ...]) -> torch.Tensor:
+    """The dense reference's logits of ``tokens`` under `fp64_weights`, computed once."""
+    return reference_logits(fp64_weights(cfg), list(tokens))

@@ -17,7 +17,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from small_models import SMALL
+from small_models import SMALL, fp64_reference, fp64_weights, one_thread
 from test_model import TOKENS, Paged, assert_exact, schedule_ending_at
 
 from adapters.engine.drafts import OracleDraft
@@ -27,8 +27,7 @@ from adapters.forward.graph_decode import GraphDecoder
 from adapters.forward.paged import build_step, run_step
 from adapters.memory.pools import KVPools
 from adapters.model.model_config import PRESETS, ModelConfig, preset
-from adapters.model.reference import reference_generate, reference_logits
-from adapters.model.weights import init_weights
+from adapters.model.reference import reference_generate
 from shadowradix import WindowSource
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
@@ -43,22 +42,13 @@ C2_SHARED = preset(
 )  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
-@functools.cache
-def weights(cfg: ModelConfig):
-    return init_weights(cfg, "cpu", torch.float64)
+weights = fp64_weights
 
 
-@functools.cache
-def ref(cfg: ModelConfig, tokens: tuple[int, ...]) -> torch.Tensor:
-    return reference_logits(weights(cfg), list(tokens))
+ref = fp64_reference
 
 
 @functools.cache

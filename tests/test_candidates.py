@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from small_models import SHORT, SHORT_SHARED
+from small_models import SHORT, SHORT_SHARED, fp64_weights, one_thread
 from test_model import TOKENS, Paged, assert_exact
 
 from adapters.forward.graph_decode import GraphDecoder
@@ -26,7 +26,6 @@ from adapters.model.candidates import block_scores, select_candidates
 from adapters.model.model import forward
 from adapters.model.model_config import ModelConfig
 from adapters.model.reference import DenseKeys, reference_logits
-from adapters.model.weights import init_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 
@@ -42,17 +41,10 @@ UNSHARED_CANDS = dataclasses.replace(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
-@functools.cache
-def weights(cfg: ModelConfig):
-    return init_weights(cfg, "cpu", torch.float64)
+weights = fp64_weights
 
 
 @functools.cache

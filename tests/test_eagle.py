@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from small_models import SMALL
+from small_models import SMALL, one_thread
 
 from adapters.engine.drafts import DraftBatch, DraftContext, SampledDraft
 from adapters.engine.eagle_draft import EagleDraft
@@ -41,12 +41,7 @@ TC = TrainConfig(eagle=True, steps=20, batch=4, seq_len=96, lr=3e-3, warmup=3, l
                  eval_bytes=512, eagle_depth=3)  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
 @functools.cache

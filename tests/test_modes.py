@@ -25,7 +25,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from small_models import SMALL
+from small_models import SMALL, one_thread
 
 from adapters.engine.budget_runner import budget_runner, enable_rebalance
 from adapters.engine.drafts import OracleDraft
@@ -84,12 +84,7 @@ FORMATS = {M.INDEX_FP8: ("index_format", CacheFormat.FP8),
 DEFINING = frozenset({M.SHARING, M.SAMPLING, *FORMATS})
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
 @functools.cache

@@ -14,7 +14,7 @@ import functools
 
 import pytest
 import torch
-from small_models import SMALL
+from small_models import SMALL, one_thread
 
 from adapters.engine.rejection import RejectionResult, rejection_sample
 from adapters.engine.runner import Runner
@@ -113,12 +113,7 @@ CFG = preset("tiny", **SMALL, window=16, compress_ratios=(0, 4, 16, 4))
 PROMPTS = [[5, 9, 2, 7, 7, 1], [5, 9, 2, 7, 3], [40, 41, 42]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
 @functools.cache

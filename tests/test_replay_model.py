@@ -19,7 +19,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from small_models import CFG, SHORT, SHORT_SHARED
+from small_models import CFG, SHORT, SHORT_SHARED, one_thread
 
 from adapters.forward.graph_decode import GraphDecoder
 from adapters.forward.paged import build_step, run_step
@@ -40,12 +40,7 @@ TOKENS: list[int] = np.random.default_rng(4321).integers(0, 256, 700).tolist()
 TAIL: list[int] = np.random.default_rng(99).integers(0, 256, 300).tolist()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
 @functools.cache

@@ -25,7 +25,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from small_models import CFG, SHORT, SHORT_SHARED, SMALL
+from small_models import CFG, SHORT, SHORT_SHARED, SMALL, one_thread
 
 from adapters.cli.main import add_run_parser
 from adapters.cli.run_command import build_runner, summary
@@ -39,12 +39,7 @@ from shadowradix import CacheConfig, ConfigError, WindowSource
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from small_models import SMALL
+from small_models import SMALL, one_thread
 
 from adapters import kernels
 from adapters.engine.runner import Runner
@@ -61,12 +61,7 @@ PROMPTS = [STEM[:9], STEM[:21] + [3, 1], STEM[:33], STEM[:21] + [9], STEM[:4]]
 NEW = 10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
 @functools.cache

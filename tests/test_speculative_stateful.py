@@ -45,7 +45,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from small_models import SMALL
+from small_models import SMALL, one_thread
 
 from adapters.engine.runner import GenerationResult, Runner
 from adapters.engine.sampling import SamplingParams
@@ -64,12 +64,7 @@ MAX_SUFFIX, MAX_NEW, MAX_K = 6, 8, 4
 LONGEST = max(len(p) for p in PREFIXES) + MAX_SUFFIX + MAX_NEW + MAX_K
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
 @functools.cache

@@ -17,6 +17,7 @@ import functools
 import numpy as np
 import pytest
 import torch
+from small_models import one_thread
 from test_model import TOKENS, Paged, assert_exact
 from test_sharing import SHARED, SHORT_SHARED
 
@@ -40,12 +41,7 @@ from shadowradix import InvalidRequestError, WindowSource
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
 @functools.cache

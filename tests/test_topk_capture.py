@@ -15,7 +15,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from small_models import SHORT_SHARED
+from small_models import SHORT_SHARED, fp64_weights, one_thread
 
 from adapters.engine.runner import Runner, UnsupportedRequestError
 from adapters.engine.sampling import SamplingParams
@@ -23,7 +23,6 @@ from adapters.forward.topk_capture import TopkCapture, TopkCaptureError
 from adapters.model.model import forward
 from adapters.model.model_config import ModelConfig
 from adapters.model.reference import DenseKeys, reference_logits
-from adapters.model.weights import init_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 
@@ -36,17 +35,10 @@ PROMPT = np.random.default_rng(5).integers(0, 256, 70).tolist()
 NEW = 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
-@functools.cache
-def weights(cfg: ModelConfig):
-    return init_weights(cfg, "cpu", torch.float64)
+weights = fp64_weights
 
 
 def runner(cfg: ModelConfig, graph_decode: bool = False, tail_only: bool = False) -> Runner:
