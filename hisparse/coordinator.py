@@ -111,6 +111,14 @@ class Coordinator:
         pages = as_host_pages(host_pages, self.config.max_host_pages, "host_pages")
         return self._layers[index].resident(pages)
 
+    def slots(self, layer: int, host_pages: npt.ArrayLike) -> npt.NDArray[np.int64]:
+        """The device slot of each of ``host_pages`` (any shape) in ``layer``, ``-1`` where the
+        page has none: what a device-resident copy of the page table holds (graph decode)."""
+        index = as_layer(layer, self.config.num_layers)
+        pages = as_host_pages(host_pages, self.config.max_host_pages, "host_pages")
+        out = self._layers[index].buffer.slot_of_page[pages]
+        return np.where(out >= 0, out, -1)
+
     def holds(self, host_pages: npt.ArrayLike) -> npt.NDArray[np.bool_]:
         """Whether each of ``host_pages`` (any shape) holds data in any layer: a device copy,
         or current host data."""

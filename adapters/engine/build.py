@@ -16,6 +16,7 @@ from adapters.engine.model_runner import ModelRunner
 from adapters.engine.speculative import SpeculativeDecoder
 from adapters.forward.graph_decode import GraphDecoder
 from adapters.forward.graph_verify import GraphVerifier
+from adapters.memory.residency import GraphResidency
 from adapters.model.model_config import ModelConfig
 from shadowradix import CacheConfig, ShadowRadixCache
 
@@ -117,14 +118,19 @@ def make_offload(
 def make_model_runner(
     paged: Forward, graph: bool, speculative: bool, max_batch: int, spec_tokens: int
 ) -> ModelRunner:
-    """The model runner over ``paged``, with the graph decoder (``graph``, plain decode) or the
-    graph verifier (``graph`` and ``speculative``: verify steps of ``spec_tokens + 1``)."""
+    """The model runner over ``paged``, with the graph decoder (``graph``, plain decode; with
+    HiSparse its C4 KV through `GraphResidency`) or the graph verifier (``graph`` and
+    ``speculative``: verify steps of ``spec_tokens + 1``; not with HiSparse, `modes`)."""
     weights, pools, cc = paged.weights, paged.pools, paged.cache.config
     decoder = verifier = None
     if graph and not speculative:
+        hisparse = None
+        if paged.offload is not None:  # HiSparse decode in the graph (`GraphResidency`)
+            hisparse = GraphResidency(paged.offload, weights.config, max_batch)
         decoder = GraphDecoder(
-            weights, pools, cc, max_batch, cc.full_capacity, engram=paged.engram
-        )
+            weights, pools, cc, max_batch, cc.full_capacity, engram=paged.engram,
+            hisparse=hisparse,
+        )  # fmt: skip
     elif graph:
         verifier = GraphVerifier(
             weights, pools, cc, max_batch, cc.full_capacity, spec_tokens + 1, mtp=paged.mtp

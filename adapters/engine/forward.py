@@ -135,6 +135,7 @@ class Forward:
             prev,
             torch.from_numpy(first).to(self.device),
             self.cache.config.page_size,
+            self.offload,
         )
         ends = torch.from_numpy(np.cumsum([len(c) for c in chunks]) - 1).to(self.device)
         for s, h in zip(seqs, hidden[ends]):  # a copy: the step's (N, D) tensor is not kept

@@ -99,25 +99,16 @@ _REPLAY_SPEC = (
     "bounded_replay cannot be combined with speculative decoding (the seeds describe "
     "encoder-side replay as incompatible with it; CacheConfig refuses the pair)"
 )
-_HISPARSE_SPEC = (
-    "speculative decoding with HiSparse is not supported: the HiSparse working-set plan "
-    "covers prefill chunks and one-token decode steps, not verify steps whose rejected drafts "
-    "rewrite entries within a page's life (issue #17 item 1)"
+_HISPARSE_GRAPH_VERIFY = (
+    "graph verify steps do not read HiSparse's C4 KV yet (the graph verifier has no residency "
+    "table); speculation with HiSparse runs its verify steps paged: pass graph_decode=False"
 )
 #: every refused pair and why (the first mode is the one the message names first)
 REFUSED: dict[tuple[Mode, Mode], str] = {
-    (M.GRAPH_DECODE, M.HISPARSE): (
-        "HiSparse plans on the host mid-forward (one device-to-host sync per C4 layer for the "
-        "top-k): no graph decode with it"
-    ),
-    (M.OVERLAP, M.HISPARSE): "overlap scheduling needs the graph decoder: HiSparse decode "
-    "runs serialised (it cannot use graph decode)",
     (M.OVERLAP, M.SPECULATION): _OVERLAP_SPEC,
     (M.OVERLAP, M.MTP_DRAFT): _OVERLAP_SPEC,
     (M.SPECULATION, M.BOUNDED_REPLAY): _REPLAY_SPEC,
     (M.MTP_DRAFT, M.BOUNDED_REPLAY): _REPLAY_SPEC,
-    (M.SPECULATION, M.HISPARSE): _HISPARSE_SPEC,
-    (M.MTP_DRAFT, M.HISPARSE): _HISPARSE_SPEC,
     (M.MTP_DRAFT, M.TAIL_ONLY): (
         "MTP drafts with tail-only prefill are not supported: the MTP layer reads the main "
         "model's hidden state at every prompt position, which tail-only prefill does not "
@@ -152,6 +143,13 @@ NOTES: dict[tuple[Mode, Mode], str] = {
     (M.TAIL_ONLY, M.MEMORY_BUDGET): "the budget cuts prefill chunks: shorter chunks skip less",
     (M.TAIL_ONLY, M.REBALANCE): "a re-balance moves the late-SWA bits with their pages",
     (M.BOUNDED_REPLAY, M.HISPARSE): "replay slices are cut to fit the HiSparse buffer",
+    (M.GRAPH_DECODE, M.HISPARSE): "graph decode reads the C4 KV through a device residency "
+    "table: buffer rows, or the pinned host mirror zero-copy (adapters/memory/residency.py)",
+    (M.SPECULATION, M.HISPARSE): "verify steps run paged through the executor; rolled-back "
+    "drafts end their pages' lives by FREED events (graph verify with HiSparse is refused)",
+    (M.MTP_DRAFT, M.HISPARSE): "the MTP state is outside HiSparse; verify steps run paged",
+    (M.OVERLAP, M.HISPARSE): "exact, but no overlap gain: a graph step's swap-ins are planned "
+    "from the previous step's selection, which the host waits for before the next launch",
     (M.SPECULATION, M.SAMPLING): "rejection sampling: the target's distribution, not the "
     "tokens of a run without speculation",
     (M.MTP_DRAFT, M.SAMPLING): "rejection sampling against the MTP draft's distribution",
@@ -168,6 +166,13 @@ TRIPLES: dict[tuple[Mode, Mode, Mode], str] = {
     (M.TAIL_ONLY, M.BOUNDED_REPLAY, M.HISPARSE): "replay slices in the buffer, tail-only",
     (M.SPECULATION, M.GRAPH_DECODE, M.SWA_FP8): "graph verify writes FP8 window rows",
     (M.SPECULATION, M.GRAPH_DECODE, M.REBALANCE): "the verifier's tables follow re-balances",
+    (M.GRAPH_DECODE, M.HISPARSE, M.SHARING): "consumer C4 layers read their source's buffer "
+    "or mirror through the source's residency table",
+}
+#: triples refused although each of their pairs works (checked by `refusals`)
+REFUSED_TRIPLES: dict[tuple[Mode, Mode, Mode], str] = {
+    (M.GRAPH_DECODE, M.SPECULATION, M.HISPARSE): _HISPARSE_GRAPH_VERIFY,
+    (M.GRAPH_DECODE, M.MTP_DRAFT, M.HISPARSE): _HISPARSE_GRAPH_VERIFY,
 }
 APPROXIMATE_MODES = frozenset({M.TAIL_ONLY, M.BOUNDED_REPLAY})
 
@@ -275,6 +280,9 @@ def refusals(modes: Modes) -> Iterator[UnsupportedModeError]:
     for (a, b), why in REFUSED.items():
         if a in modes and b in modes:
             yield UnsupportedModeError((a, b), why)
+    for (a, b, c), why in REFUSED_TRIPLES.items():
+        if a in modes and b in modes and c in modes:
+            yield UnsupportedModeError((b, c), why)
     for mode, (needed, why) in REQUIRES.items():
         if mode in modes and needed not in modes:
             yield UnsupportedModeError((mode, needed), why, needs=True)

@@ -28,6 +28,7 @@ from adapters.kernels import PoolRows
 from adapters.memory.block_tables import DeviceTables
 from adapters.memory.device import upload
 from adapters.memory.pools import KVPools
+from adapters.memory.residency import GraphResidency
 from adapters.model import ops
 from adapters.model.candidates import Candidates, select_candidates
 from adapters.model.engram import EngramRows, EngramStep, decode_ngrams, pad_token, step_of
@@ -92,10 +93,15 @@ class GraphKeys:
     KV-source layers compress, consumers read their source's pools; index sources publish
     their selection, other C4 layers reuse it; the candidate source publishes its candidate
     blocks, later indexer layers of its ratio select among them (`adapters.model.candidates`,
-    no host synchronisation)."""
+    no host synchronisation). ``hisparse``: the C4 KV of its layers is HiSparse's (written
+    through to the host mirror, read from the buffer or the mirror: `GraphResidency`)."""
 
-    def __init__(self, weights: ModelWeights, pools: KVPools, meta: StepMeta) -> None:
+    def __init__(
+        self, weights: ModelWeights, pools: KVPools, meta: StepMeta,
+        hisparse: GraphResidency | None = None,
+    ) -> None:  # fmt: skip
         self.cfg, self.pools, self.meta = weights.config, pools, meta
+        self.hisparse = hisparse
         self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.candidates: Candidates | None = None
 
@@ -110,16 +116,19 @@ class GraphKeys:
         ratio = layer.weights.ratio
         if ratio:
             sm, source = m.streams[ratio], cfg.kv_source_of(i)
+            hs = self.hisparse if self.hisparse is not None and self.hisparse.holds(source) else None
             if source == i:
                 comp = layer.weights.compressor
                 assert comp is not None
-                self._compress(layer, comp, sm, self.pools.ring[i], self.pools.compressed[i])
-            if cfg.is_sparse(ratio):
+                kv_pool = None if hs is not None else self.pools.compressed[i]
+                self._compress(layer, comp, sm, self.pools.ring[i], kv_pool)
+            if hs is not None:  # HiSparse C4: sparse, read from its buffer or host mirror
+                pool, extra = hs.gather(i, source, *self._select(layer, sm))
+            elif cfg.is_sparse(ratio):
                 slots, vis = self._select(layer, sm)
-                extra = PoolRows(slots, vis.sum(-1))
+                extra, pool = PoolRows(slots, vis.sum(-1)), self.pools.compressed[source]
             else:
-                extra = sm.rows(self._qrow())
-            pool = self.pools.compressed[source]
+                extra, pool = sm.rows(self._qrow()), self.pools.compressed[source]
         return kernels.sparse_attention(
             layer.q,
             swa,
@@ -147,7 +156,15 @@ class GraphKeys:
         ent = compress_rows(
             self.cfg, group_rows, layer.weights.ratio, sm.group, comp.norm, self.cfg.rope_dim
         )
-        self.pools.store(pool, sm.entry_slot, ent)
+        self._store(layer.index, pool, sm.entry_slot, ent)
+
+    def _store(self, layer: int, pool, slots: torch.Tensor, entries: torch.Tensor) -> None:
+        """The step's completed entries into ``pool`` (None: HiSparse's C4 KV of ``layer``)."""
+        if pool is None:
+            assert self.hisparse is not None
+            self.hisparse.store(layer, slots, entries)
+        else:
+            self.pools.store(pool, slots, entries)
 
     def _compress_fused(  # pragma: no cover - needs a GPU
         self, layer, comp, sm: StreamMeta, ring, pool, rows: torch.Tensor
@@ -162,7 +179,7 @@ class GraphKeys:
             pad=sm.group_src == 2, groups=sm.group, norm=comp.norm, rope_dim=self.cfg.rope_dim,
             theta=self.cfg.rope_theta, eps=self.cfg.norm_eps, out_dtype=self.pools.dtype,
         )  # fmt: skip
-        self.pools.store(pool, sm.entry_slot, ent)
+        self._store(layer.index, pool, sm.entry_slot, ent)
 
     def _select(self, layer: LayerInput, sm: StreamMeta):
         cfg, i = self.cfg, layer.index
@@ -285,8 +302,11 @@ class GraphDecoder:
         use_graphs: bool | None = None,
         min_context_bucket: int = 1024,
         engram: EngramRows | None = None,
+        hisparse: GraphResidency | None = None,
     ) -> None:
         self.weights, self.pools, self.cache = weights, pools, cache
+        #: HiSparse: the C4 KV in its host mirror and device buffer (`GraphResidency`)
+        self.hisparse = hisparse
         self.buffers = DecodeBuffers(cache, max_batch, max_context, weights.device)
         self.use_graphs = weights.device.type == "cuda" if use_graphs is None else use_graphs
         self.min_context_bucket = min_context_bucket
@@ -299,7 +319,7 @@ class GraphDecoder:
     def _run(self, batch: int, context: int) -> torch.Tensor:
         meta = step_metadata(self.cache, self.pools, self.buffers, batch, context)
         meta = _with_late_mask(meta, self.pools)
-        keys = GraphKeys(self.weights, self.pools, meta)
+        keys = GraphKeys(self.weights, self.pools, meta, self.hisparse)
         cfg, mem = self.weights.config, self.engram_memory
         engram = None if mem is None else EngramStep(cfg.engram_layers, mem[:, :batch])
         tokens = self.buffers.tokens[:batch]
@@ -310,15 +330,22 @@ class GraphDecoder:
     ) -> torch.Tensor:
         """Logits ``(len(requests), V)`` of one decode step; the requests were just extended
         by ``tokens`` (one each). ``deltas``: the step plan's, after any other table changes
-        of these requests since the last step (`DecodeBuffers.load`)."""
+        of these requests since the last step (`DecodeBuffers.load`). With HiSparse the last
+        step's selection is planned first (bounded swap-ins) and this step's recorded after."""
+        if self.hisparse is not None:
+            self.hisparse.before_step()
         self.buffers.load(requests, tokens, deltas)
         self._load_engram(requests, tokens)
         longest = max(r.length for r in requests)
         context = context_bucket(longest, self.min_context_bucket, self.buffers.max_context)
         batch = min(power_bucket(len(requests), 1), self.buffers.max_batch)
         if not self.use_graphs:
-            return self._run(batch, context)[: len(requests)]
-        return self._replay(batch, context)[: len(requests)]
+            out = self._run(batch, context)[: len(requests)]
+        else:
+            out = self._replay(batch, context)[: len(requests)]
+        if self.hisparse is not None:
+            self.hisparse.after_step(batch * self.buffers.num_tokens)
+        return out
 
     def _replay(self, batch: int, context: int) -> torch.Tensor:  # pragma: no cover
         return self.graphs.replay(batch, context, self.buffers.valid)

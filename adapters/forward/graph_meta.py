@@ -155,7 +155,7 @@ def _stream_meta(
     group_rows = slots.ring_row(page_lookup(stable, rpos_c, p), rpos_c, ring_len)
     spp = s.slots_per_page
     entry = slots.compressed_slot(page_lookup(vtable, pos, p), pos, p, r, spp)
-    entry_slot = torch.where(complete, entry, pools.sentinel(pools.compressed[layer]))
+    entry_slot = torch.where(complete, entry, _entry_sentinel(cache, pools, layer, spp))
     read_pages = read_slots = None
     if p >= r:
         npages = -(-context // p)
@@ -181,3 +181,12 @@ def _stream_meta(
         columns,
         spp,
     )
+
+
+def _entry_sentinel(cache: CacheConfig, pools: KVPools, layer: int, spp: int) -> int:
+    """The slot a step's rows that complete no entry write to: the compressed pool's sentinel
+    row, or, for C4 KV held by HiSparse (no device pool), the first row of its host mirror's
+    sentinel page (`C4Offload` allocates ``max_full_pages + 1`` pages)."""
+    if layer in pools.compressed:
+        return pools.sentinel(pools.compressed[layer])
+    return cache.max_full_pages * spp

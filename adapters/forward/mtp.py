@@ -13,6 +13,7 @@ temporary tensors, never in the pools.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from adapters.model.tempered import sample_tempered
 from adapters.model.weights import ModelWeights
 from shadowradix import CacheConfig, PageTableDelta, slots
 from shadowradix.request import Request
+
+if TYPE_CHECKING:
+    from adapters.memory.offload import C4Offload
 
 __all__ = [
     "MTPDrafter",
@@ -115,11 +119,13 @@ def run_step_mtp(
     prev_hidden: torch.Tensor,
     first_rows: torch.Tensor,
     page_size: int,
+    offload: C4Offload | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`paged.run_step` that also keeps the MTP state of the step's tokens. ``prev_hidden``
     ``(B, D)``: each request's main hidden state before its first new token, ``first_rows``
-    ``(B,)``: that token's row. Returns the logits of ``logit_rows`` and every row's hidden."""
-    keys = PagedKeys(weights.config, pools, step)
+    ``(B,)``: that token's row. Returns the logits of ``logit_rows`` and every row's hidden.
+    ``offload``: the HiSparse executor (its C4 KV), as in `paged.run_step`."""
+    keys = PagedKeys(weights.config, pools, step, offload)
     hidden = final_hidden(weights, step.tokens, step.positions, keys)
     prev = shift_hidden(hidden, first_rows, prev_hidden)
     rows = page_end_rows(pools, step.positions, step.swa_slots, page_size)

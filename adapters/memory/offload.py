@@ -34,12 +34,14 @@ The indexer keys stay resident in the ordinary pools: the indexer scores every e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from adapters.memory.device import PoolMemoryError, free_bytes
+from adapters.memory.pinned_view import mapped_view
 from adapters.model.model_config import ModelConfig
 from hisparse import Coordinator, CopyBatch, HiSparseConfig, PinnedPageError
 from hisparse.lifetimes import PageLives
@@ -71,9 +73,15 @@ class C4Offload:
 
     ``events``: a subscription to the cache's KV events (``cache.subscribe_events()``), the
     only way the executor learns that a virtual page was freed and may be reused.
-    ``zero_copy`` (CUDA only; default: when CuPy can map the pinned mirror): copies are GPU
-    gathers reading and writing the mapped host memory directly; otherwise swap-ins gather on
-    the CPU into pinned staging and backups land in staging that `poll` copies into the mirror.
+    ``zero_copy`` (CUDA only; default: when the pinned mirror can be mapped,
+    `pinned_view.mapped_view`): copies are GPU gathers reading and writing the mapped host
+    memory directly; otherwise swap-ins gather on the CPU into pinned staging and backups land
+    in staging that `poll` copies into the mirror.
+
+    ``touched[j]``: pages of coordinator layer ``j`` whose residency may have changed since a
+    graph decoder last read them (kept only while ``on_begin`` is not empty:
+    `residency.GraphResidency` registers there and drains it);
+    ``on_begin``: callbacks `begin_step` runs first (graph decode commits its last step there).
     """
 
     def __init__(
@@ -95,9 +103,10 @@ class C4Offload:
         self.device, self.dtype = device, dtype
         host_pages = cache.max_full_pages
         d, pin = model.head_dim, device.type == "cuda"
-        _check_fits(device, device_pages + 1, host_pages, self.spp * d * len(self.layers), dtype)
+        _check_fits(device, device_pages + 1, host_pages + 1, self.spp * d * len(self.layers), dtype)
+        # one sentinel page past the coordinator's: graph decode's masked writes land there
         self.host = {
-            i: torch.zeros(host_pages, self.spp, d, dtype=dtype, pin_memory=pin)
+            i: torch.zeros(host_pages + 1, self.spp, d, dtype=dtype, pin_memory=pin)
             for i in self.layers
         }
         self.buffer = {
@@ -113,13 +122,15 @@ class C4Offload:
         # GPU views of the pinned mirrors (unified addressing): copies become GPU gathers that
         # read / write host memory directly, with no CPU-side gather or staging.
         use = pin if zero_copy is None else zero_copy and pin
-        self._mapped = {i: _mapped_view(self.host[i], device) for i in self.layers} if use else {}
+        self._mapped = {i: mapped_view(self.host[i], device) for i in self.layers} if use else {}
         self._inflight: list[_Inflight] = []
         self.stats = OffloadStats()
         if not isinstance(events, EventSubscription):
             raise TypeError(f"events must be an EventSubscription, got {type(events).__name__}")
         self.events = events
         self.lives = PageLives(host_pages)
+        self.touched: dict[int, list[np.ndarray]] = {j: [] for j in range(len(self.layers))}
+        self.on_begin: list[Callable[[], None]] = []
 
     @property
     def copy_path(self) -> str:
@@ -160,7 +171,10 @@ class C4Offload:
     def begin_step(self) -> None:
         """Before a step's forward (copies drained or not): the virtual pages the cache freed
         or evicted since the last step (its KV events) end their life here, so whatever the
-        coordinator holds of them is released; their next write is fresh."""
+        coordinator holds of them is released; their next write is fresh. The ``on_begin``
+        callbacks run first (a graph step's writes belong to the life they were made in)."""
+        for callback in self.on_begin:
+            callback()
         ended = self.lives.begin(self.events.take())
         if not len(ended):
             return
@@ -169,6 +183,8 @@ class C4Offload:
         except PinnedPageError:  # a copy of the old life is still in flight
             self.drain()
             self.coordinator.release(ended)
+        for pages in self.touched.values() if self.on_begin else ():
+            pages.append(ended)
 
     # -- one layer-step --------------------------------------------------------------------
 
@@ -191,6 +207,8 @@ class C4Offload:
         fresh = self.lives.fresh(write_pages)
         plan = self.coordinator.plan_step(j, read_np // spp, write_pages, fresh)
         self.lives.wrote(write_pages)
+        if self.on_begin:  # a graph decoder keeps a device copy of the page table
+            self.touched[j] += [plan.swap_in.host_pages, plan.evicted_pages, write_pages]
         self._swap_in(layer, plan.swap_in)
         buf = self.buffer[layer].view(-1, self._width(layer))
         if len(write_slots):
@@ -304,31 +322,6 @@ class C4Offload:
         dev = sum(t.numel() * t.element_size() for t in self.buffer.values())
         host = sum(t.numel() * t.element_size() for t in self.host.values())
         return dev, host
-
-
-def _mapped_view(  # pragma: no cover - CUDA only
-    host: torch.Tensor, device: torch.device
-) -> torch.Tensor | None:
-    """A CUDA tensor aliasing pinned ``host`` memory (device pointer == host pointer under
-    unified addressing), built through CuPy's DLPack bridge; ``None`` where CuPy is absent or
-    the mapping fails (the staged copies are used then)."""
-    try:
-        import cupy  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    try:
-        raw = host.view(torch.int16)
-        mem = cupy.cuda.UnownedMemory(raw.data_ptr(), raw.numel() * 2, raw, device.index or 0)
-        arr = cupy.ndarray(
-            tuple(raw.shape), dtype=cupy.int16, memptr=cupy.cuda.MemoryPointer(mem, 0)
-        )
-        view = torch.from_dlpack(arr).view(host.dtype)
-        probe = view[:1].clone()  # the GPU can read it
-        if not torch.equal(probe.cpu(), host[:1]):
-            return None
-        return view
-    except Exception:  # noqa: BLE001 - any failure: fall back to staged copies
-        return None
 
 
 def _index(ids: np.ndarray) -> torch.Tensor:

@@ -1,0 +1,262 @@
+"""Graph-safe HiSparse decode: the C4 KV read inside a captured step, with no host sync in it.
+
+`C4Offload.exchange` (the eager path) plans each layer-step on the host from the step's own
+top-k, so it syncs once per C4 layer. Here the plan comes from the *previous* step's selection
+(temporal locality), and a page that is not resident is still read, exactly, from the host
+mirror through a zero-copy view (`pinned_view.mapped_view`). Per C4 KV-source layer:
+
+* ``table[layer]``: ``(host pages + 1,)`` int64 on the device, virtual page -> buffer slot or
+  ``-1`` (the last entry is the mirror's sentinel page: never resident). A copy of the
+  coordinator's page table, updated outside the graph by a small host -> device scatter of the
+  pages whose residency changed (`sync_table`).
+
+Inside the captured step (tensor ops only, fixed shapes):
+
+* `store` (a compressed entry completed this step): written to the mirror (zero-copy) **and**,
+  when its page is resident, to the buffer slot — write-through, so a resident page's buffer
+  copy always equals its mirror page and the mirror is always current (no backups to wait for);
+* `gather` (the top-k of a query): each entry from the buffer when its page is resident, else
+  from the mirror (`kernels.hisparse_gather` on CUDA: masked loads, the bus carries the misses
+  only); the result is a ``(N * k, d)`` pool the attention reads as before. It records the
+  selected pages, and hit / read counters, into fixed device buffers.
+
+Outside the graph, on the host:
+
+* `after_step`: queues a non-blocking copy of the step's records (selected pages, written
+  entry slots) to pinned buffers, with an event;
+* `commit` (the next `C4Offload.begin_step`, before the pages the cache freed are released):
+  waits for that event (long done: the runner read the step's logits), and per layer plans
+  with the coordinator: reads = the previous step's resident pages (LRU stamps) plus at most
+  ``max_swaps`` missed pages (most-read first), writes = the pages written (fresh when their
+  life began in that step); copies the swapped-in pages and the newly placed written pages
+  mirror -> buffer on the compute stream (ordered before the next replay); completes both
+  tickets at once (the mirror needed no backup);
+* `sync_table` (before the next replay): uploads the slots of every page whose residency
+  changed — by this path, by eager steps (`C4Offload.touched`) or by releases.
+
+Exactness: every entry a step reads comes from the mirror, which holds every write (write-
+through), or from a buffer slot that the table maps to the page, and a mapped slot holds the
+mirror page's data (swap-ins and placements copy the mirror page; resident pages get every
+write). A missed page costs a slower read, never a wrong one. Swap-ins per layer-step are at
+most ``max_swaps`` plus the pages written that step (at most one per query row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from adapters.kernels import PoolRows
+from adapters.memory.pinned_view import mapped_view
+from adapters.model.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from adapters.memory.offload import C4Offload
+
+
+class ZeroCopyUnavailable(RuntimeError):
+    """HiSparse graph decode needs a device view of the pinned host mirror, which failed."""
+
+
+@dataclass
+class GraphStats:
+    steps: int = 0
+    swap_in_pages: int = 0  # pages copied mirror -> buffer after a step (misses + placements)
+    missed_pages: int = 0  # distinct pages read from the mirror, summed over layer-steps
+    dropped_misses: int = 0  # missed pages beyond max_swaps (read zero-copy, not swapped in)
+
+
+def gather_reference(
+    buf: torch.Tensor, mirror: torch.Tensor, brow: torch.Tensor, mrow: torch.Tensor,
+    hit: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """``out[r] = buf[brow[r]] if hit[r] else mirror[mrow[r]]`` (the torch path: both gathers;
+    `kernels.hisparse_gather.gather_split` reads only one)."""
+    return torch.where(hit[:, None], buf[brow], mirror[mrow])
+
+
+class GraphResidency:
+    """The device side of HiSparse graph decode over ``offload`` (see the module docstring).
+    ``max_rows``: the most query rows of a step (batch x tokens per request); ``max_swaps``:
+    the bound on missed pages swapped in per layer-step (default: the top-k)."""
+
+    def __init__(
+        self, offload: C4Offload, model: ModelConfig, max_rows: int, max_swaps: int | None = None
+    ) -> None:
+        self.offload, self.spp = offload, offload.spp
+        self.max_swaps = model.index_topk if max_swaps is None else max_swaps
+        if self.max_swaps < 0:
+            raise ValueError(f"max_swaps must be >= 0, got {self.max_swaps}")
+        dev, pages = offload.device, offload.coordinator.config.max_host_pages
+        self.host_rows = pages * self.spp  # the mirror's sentinel page starts here
+        self.buf_sentinel = offload.device_pages * self.spp
+        self.table = {i: torch.full((pages + 1,), -1, dtype=torch.long, device=dev)
+                      for i in offload.layers}  # fmt: skip
+        self.mirror = {i: self._mirror(i) for i in offload.layers}
+        self.rows = {i: offload.buffer[i].view(-1, offload.buffer[i].shape[-1])
+                     for i in offload.layers}  # fmt: skip
+        #: the C4 layers reading each source's KV (a source, its consumers under sharing)
+        self.readers = {s: [i for i in range(model.num_layers)
+                            if model.compress_ratios[i] == 4 and model.kv_source_of(i) == s]
+                        for s in offload.layers}  # fmt: skip
+        k = model.index_topk
+        self.selected = {i: torch.full((max_rows, k), -1, dtype=torch.int32, device=dev)
+                         for rs in self.readers.values() for i in rs}  # fmt: skip
+        self.written = {i: torch.full((max_rows,), -1, dtype=torch.long, device=dev)
+                        for i in offload.layers}  # fmt: skip
+        self.counts = torch.zeros(2, dtype=torch.long, device=dev)  # entries hit, entries read
+        self.max_rows, self.stats = max_rows, GraphStats()
+        self._pending: tuple[dict, dict, int, torch.cuda.Event | None] | None = None
+        self._cuda = dev.type == "cuda"
+        offload.on_begin.append(self.commit)
+        for j in range(len(offload.layers)):  # the table starts as the coordinator's
+            offload.touched[j].append(np.arange(pages, dtype=np.int64))
+
+    def _mirror(self, layer: int) -> torch.Tensor:
+        host = self.offload.host[layer]
+        if self.offload.device.type != "cuda":
+            return host.view(-1, host.shape[-1])
+        view = self.offload._mapped.get(layer)  # pragma: no cover - CUDA only
+        if view is None:  # pragma: no cover - CUDA only
+            view = mapped_view(host, self.offload.device)
+        if view is None:  # pragma: no cover - CUDA only
+            raise ZeroCopyUnavailable(
+                "HiSparse graph decode reads missing pages from the pinned host mirror through a "
+                "device view, and mapping it failed: run HiSparse eager (graph_decode=False)"
+            )
+        return view.view(-1, host.shape[-1])  # pragma: no cover - CUDA only
+
+    def holds(self, layer: int) -> bool:
+        return layer in self.table
+
+    # -- inside the graph ------------------------------------------------------------------
+
+    def store(self, layer: int, entry_slot: torch.Tensor, entries: torch.Tensor) -> None:
+        """Writes the step's completed entries (``entry_slot``: virtual compressed slots, the
+        mirror's sentinel for none) to the mirror and, for resident pages, to the buffer."""
+        spp, rows = self.spp, self.rows[layer]
+        slot = self.table[layer][entry_slot // spp]
+        brow = torch.where(slot >= 0, slot * spp + entry_slot % spp, self.buf_sentinel)
+        values = entries.to(rows.dtype)
+        rows[brow] = values
+        self.mirror[layer][entry_slot] = values
+        self.written[layer][: entry_slot.shape[0]] = entry_slot
+
+    def gather(
+        self, reader: int, source: int, slots: torch.Tensor, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, PoolRows]:
+        """The entries at ``slots`` ``(N, k)`` (``valid``: a prefix of each row) of ``source``
+        as a pool of ``N * k`` rows, query ``n`` reading rows ``[n * k, n * k + count)``."""
+        spp = self.spp
+        page = slots // spp
+        slot = self.table[source][page]
+        hit = valid & (slot >= 0)
+        brow = torch.where(hit, slot * spp + slots % spp, self.buf_sentinel).reshape(-1)
+        mrow = torch.where(valid & ~hit, slots, self.host_rows).reshape(-1)
+        buf, mirror, flat_hit = self.rows[source], self.mirror[source], hit.reshape(-1)
+        if self._cuda:  # pragma: no cover - CUDA only (the kernel is tested interpreted)
+            from adapters.kernels.hisparse_gather import gather_split
+
+            out = gather_split(buf, mirror, brow, mrow, flat_hit)
+        else:
+            out = gather_reference(buf, mirror, brow, mrow, flat_hit)
+        n, k = slots.shape
+        self.selected[reader][:n] = torch.where(valid, page, -1).to(torch.int32)
+        self.counts += torch.stack((hit.sum(), valid.sum()))
+        table = torch.arange(n * k, device=slots.device).view(n, k)
+        return out, PoolRows(table, valid.sum(-1))
+
+    # -- outside the graph -----------------------------------------------------------------
+
+    def before_step(self) -> None:
+        """Before a graph step is loaded: copies drained, the last step committed, the pages
+        the cache freed released (`C4Offload.begin_step`), the device tables current."""
+        self.offload.drain()
+        self.offload.begin_step()
+        self.sync_table()
+
+    def after_step(self, rows: int) -> None:
+        """After a graph step of ``rows`` query rows was queued: its records to the host,
+        without waiting (read at the next `commit`)."""
+        def host(t: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(t[:rows].shape, dtype=t.dtype, pin_memory=self._cuda)
+            return out.copy_(t[:rows], non_blocking=self._cuda)
+
+        selected = {i: host(t) for i, t in self.selected.items()}
+        written = {i: host(t) for i, t in self.written.items()}
+        event = None
+        if self._cuda:  # pragma: no cover - CUDA only
+            event = torch.cuda.Event()
+            event.record()
+        self._pending = (selected, written, rows, event)
+        self.stats.steps += 1
+
+    def commit(self) -> None:
+        """Plans the last graph step's reads and writes with the coordinator (bounded swap-ins
+        of its missed pages, its written pages placed) and copies them mirror -> buffer."""
+        if self._pending is None:
+            return
+        selected, written, _, event = self._pending
+        self._pending = None
+        if event is not None:  # pragma: no cover - CUDA only
+            event.synchronize()
+        for j, source in enumerate(self.offload.layers):
+            reads = np.concatenate([selected[i].numpy().reshape(-1) for i in self.readers[source]])
+            wrote = written[source].numpy()
+            self._commit_layer(j, source, reads[reads >= 0].astype(np.int64),
+                               np.unique(wrote[wrote < self.host_rows] // self.spp))  # fmt: skip
+
+    def _commit_layer(self, j: int, layer: int, reads: np.ndarray, writes: np.ndarray) -> None:
+        off, coord = self.offload, self.offload.coordinator
+        pages, counts = np.unique(reads, return_counts=True)
+        order = np.argsort(-counts, kind="stable")  # most-read first, then lower page
+        pages = pages[order]
+        resident = coord.resident(j, pages)
+        hits, misses = pages[resident], pages[~resident]
+        misses = misses[~np.isin(misses, writes)]  # written pages are placed anyway
+        room = max(0, off.device_pages - len(writes))
+        take = min(self.max_swaps, room, len(misses))
+        self.stats.missed_pages += len(misses)
+        self.stats.dropped_misses += len(misses) - take
+        hits = hits[~np.isin(hits, writes)][: room - take]
+        fresh = off.lives.fresh(writes)
+        plan = coord.plan_step(j, np.concatenate((hits, misses[:take])), writes, fresh)
+        off.lives.wrote(writes)
+        placed = np.asarray(plan.write_slots, dtype=np.int64)[fresh]
+        src = np.concatenate((np.asarray(plan.swap_in.host_pages), writes[fresh]))
+        dst = np.concatenate((np.asarray(plan.swap_in.device_slots), placed))
+        if len(src):
+            self._copy_pages(layer, src.astype(np.int64), dst.astype(np.int64))
+        self.stats.swap_in_pages += len(src)
+        coord.complete(plan.swap_in.ticket)  # copies ordered on the compute stream
+        coord.complete(plan.backup.ticket)  # the mirror has every write already
+        off.touched[j] += [plan.swap_in.host_pages, plan.evicted_pages, writes]
+
+    def _copy_pages(self, layer: int, pages: np.ndarray, slots: np.ndarray) -> None:
+        """Mirror pages -> buffer slots, on the current stream (before the next replay)."""
+        dev = self.offload.device
+        src = torch.from_numpy(pages).to(dev, non_blocking=self._cuda)
+        dst = torch.from_numpy(slots).to(dev, non_blocking=self._cuda)
+        mirror = self.mirror[layer].view(self.offload.host[layer].shape)
+        self.offload.buffer[layer].index_copy_(0, dst, mirror.index_select(0, src))
+
+    def sync_table(self) -> None:
+        """The device tables of every page whose residency changed since the last call."""
+        coord, dev = self.offload.coordinator, self.offload.device
+        for j, layer in enumerate(self.offload.layers):
+            parts = self.offload.touched[j]
+            if not parts:
+                continue
+            pages = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
+            parts.clear()
+            slots = coord.slots(j, pages)
+            both = torch.from_numpy(np.stack((pages, slots))).to(dev, non_blocking=self._cuda)
+            self.table[layer][both[0]] = both[1]
+
+    def hit_rate(self) -> tuple[int, int]:
+        """(entries read from the buffer, entries read) over every graph step so far."""
+        hit, read = self.counts.tolist()
+        return int(hit), int(read)
