@@ -103,7 +103,8 @@ class C4Offload:
         self.device, self.dtype = device, dtype
         host_pages = cache.max_full_pages
         d, pin = model.head_dim, device.type == "cuda"
-        _check_fits(device, device_pages + 1, host_pages + 1, self.spp * d * len(self.layers), dtype)
+        row = self.spp * d * len(self.layers)
+        _check_fits(device, device_pages + 1, host_pages + 1, row, dtype)
         # one sentinel page past the coordinator's: graph decode's masked writes land there
         self.host = {
             i: torch.zeros(host_pages + 1, self.spp, d, dtype=dtype, pin_memory=pin)
