@@ -5,6 +5,7 @@ its input tokens (the step that samples them is still running on the device).
                                      window kept (nothing released), the token held pending
     resolve_pending(request, token)  its value: committed, the window released, as if
                                      `extend_batch` had appended ``token``
+    resolve_draft(request, tokens)   the values of a draft extended with placeholders
     drop_pending(request)            taken back: as if it had never been extended (a request
                                      that turned out to have stopped one step earlier)
 
@@ -24,7 +25,7 @@ import numpy as np
 from .errors import InvalidRequestError
 from .request import Request
 from .table_edits import TableEdits
-from .validation import MAX_TOKEN, TokenInput
+from .validation import MAX_TOKEN, TokenInput, as_tokens
 
 if TYPE_CHECKING:
     from .deltas import TableChanges
@@ -80,6 +81,22 @@ class PendingVerbs:
             request._step_stamp = None  # the step's plan no longer matches its tables
         self._debug_check()
         return edits.changes()
+
+    def resolve_draft(self, request: Request, tokens: TokenInput) -> None:
+        """Give a pending draft its token values (a draft extended with placeholders: its
+        verify step read the tokens on the device; `extend_draft_batch` uses only the count).
+        Call it before the draft's `rollback`, which commits the values. Draft positions are
+        the request's own (past any shared prefix) and nothing reads their values before the
+        rollback commits them. `InvalidRequestError` unless ``tokens`` are exactly the
+        request's ``num_draft`` token ids (nothing changes)."""
+        self._check_active(request)
+        arr = as_tokens(tokens, "tokens")
+        if request.num_draft == 0 or len(arr) != request.num_draft:
+            raise InvalidRequestError(
+                f"request {request.id} holds {request.num_draft} draft tokens, not {len(arr)}"
+            )
+        end = request.length - request._base
+        request._buf[end - len(arr) : end] = arr
 
     def drop_pending(self, request: Request) -> TableChanges:
         """Take the pending token back: its pages return on top of the free stacks, the request

@@ -173,7 +173,14 @@ class CheckedMTP(MTPDraft):
         self.checked = 0
 
     def propose(self, batch: DraftBatch) -> list[list[int]]:
-        out = super().propose(batch)
+        return self._checked(batch, super().propose(batch))
+
+    def propose_device(self, batch: DraftBatch) -> torch.Tensor:
+        out = super().propose_device(batch)
+        self._checked(batch, out.tolist())
+        return out
+
+    def _checked(self, batch: DraftBatch, out):
         assert self.drafter is not None and self.drafter.last_logits is not None
         assert batch.hidden is not None
         for i, (p, o) in enumerate(zip(batch.prompts, batch.outputs)):

@@ -83,6 +83,23 @@ class DraftSource(Protocol):
         ...
 
 
+class DeviceDraftSource(DraftSource, Protocol):
+    """A source whose greedy drafts can stay on the device: `propose_device` returns them as a
+    ``(B, k)`` long tensor on the weights' device, queued and never read back, for a batch
+    whose requests are all greedy. The verify step copies it into its input on the device
+    (`GraphVerifier.verify(drafts=...)`) and the judge reads it back with the target's argmax
+    in one transfer (docs/speculative.md, "One host read per step")."""
+
+    def propose_device(self, batch: DraftBatch) -> torch.Tensor:
+        """The greedy drafts of ``batch`` (every temperature 0), on the device."""
+        ...
+
+
+def device_source(source: DraftSource) -> DeviceDraftSource | None:
+    """``source`` as a `DeviceDraftSource`, or None where it has no device path."""
+    return source if callable(getattr(source, "propose_device", None)) else None  # type: ignore[return-value]
+
+
 class OracleDraft:
     """The target's own greedy continuation with errors injected: a controllable acceptance.
 
@@ -142,6 +159,12 @@ class MTPDraft:
             context.num_tokens,
             use_graphs=context.use_graphs,
         )
+
+    def propose_device(self, batch: DraftBatch) -> torch.Tensor:
+        if self.drafter is None or batch.hidden is None:
+            raise RuntimeError("MTPDraft is not bound to a runner")
+        pending = [o[-1] for o in batch.outputs]
+        return self.drafter.draft(list(batch.requests), pending, batch.hidden, batch.deltas)
 
     def propose(self, batch: DraftBatch) -> list[list[int]] | SampledDraft:
         if self.drafter is None or batch.hidden is None:

@@ -60,19 +60,29 @@ class EagleDraft:
         self._graphs.clear()
 
     def propose(self, batch: DraftBatch) -> list[list[int]] | SampledDraft:
+        if any(t > 0 for t in batch.temperatures) and batch.uniforms is not None:
+            hidden, pending = self._inputs(batch)
+            return self._sampled(hidden, pending, batch, batch.num_tokens)
+        return self.propose_device(batch).tolist()  # type: ignore[no-any-return]
+
+    def propose_device(self, batch: DraftBatch) -> torch.Tensor:
+        """The greedy drafts ``(B, k)`` on the device, not read back (a graph replay on CUDA:
+        a copy of its output buffer)."""
+        hidden, pending = self._inputs(batch)
+        assert self.target is not None
+        if self.use_graphs:  # pragma: no cover - needs a GPU
+            return self._replay(hidden, pending)[: len(pending)]
+        with torch.no_grad():
+            tokens, _, _ = draft_chain(self.target, self.head, hidden, pending, batch.num_tokens)
+        return tokens
+
+    def _inputs(self, batch: DraftBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if self.target is None or batch.hidden is None:
             raise RuntimeError("EagleDraft is not bound to a runner")
         dev = self.target.device
-        pending = torch.tensor([o[-1] for o in batch.outputs], dtype=torch.long, device=dev)
-        hidden = batch.hidden.to(dev, self.target.dtype)
-        k = batch.num_tokens
-        if any(t > 0 for t in batch.temperatures) and batch.uniforms is not None:
-            return self._sampled(hidden, pending, batch, k)
-        if self.use_graphs:  # pragma: no cover - needs a GPU
-            return self._replay(hidden, pending)[: len(pending)].tolist()  # type: ignore[no-any-return]
-        with torch.no_grad():
-            tokens, _, _ = draft_chain(self.target, self.head, hidden, pending, k)
-        return tokens.tolist()  # type: ignore[no-any-return]
+        host = torch.tensor([o[-1] for o in batch.outputs], dtype=torch.long)
+        pending = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host
+        return batch.hidden.to(dev, self.target.dtype), pending
 
     def _sampled(self, hidden, pending, batch: DraftBatch, k: int) -> SampledDraft:
         assert self.target is not None and batch.uniforms is not None

@@ -57,12 +57,14 @@ class ModelRunner:
         #: table changes not yet given to the graph decoder's / verifier's device tables
         self._deltas: list[PageTableDelta] = []
 
-    def execute(self, batch: ScheduledBatch) -> ForwardOutput:
+    def execute(self, batch: ScheduledBatch, drafts: torch.Tensor | None = None) -> ForwardOutput:
         """Runs ``batch`` (its requests just extended by its chunks) and returns its logits.
-        Raises whatever the forward raises; the pools then hold what it wrote so far, which
-        the core no longer maps once the batch's requests are aborted."""
+        ``drafts``: a verify batch's drafts on the device (`GraphVerifier.verify`; the step is
+        then queued, not waited for). Raises whatever the forward raises; the pools then hold
+        what it wrote so far, which the core no longer maps once the batch's requests are
+        aborted."""
         if batch.kind is BatchKind.VERIFY:
-            return self._verify(batch)
+            return self._verify(batch, drafts)
         seqs, chunks = list(batch.seqs), list(batch.chunks)
         topk = self._topk_step(batch)
         if batch.kind is BatchKind.DECODE and self.decoder is not None:
@@ -138,8 +140,10 @@ class ModelRunner:
         deltas = self.take_deltas() + list(plan.deltas)
         return self.decoder.step([s.req for s in seqs], tokens, deltas)
 
-    def _verify(self, batch: ScheduledBatch) -> ForwardOutput:
+    def _verify(self, batch: ScheduledBatch, drafts: torch.Tensor | None) -> ForwardOutput:
         """Logits ``(B*T, V)`` of every row, and the rows' hidden states when MTP is kept."""
+        if drafts is not None and self.verifier is None:
+            raise ValueError("device drafts need the graph verifier")
         seqs, chunks = list(batch.seqs), list(batch.chunks)
         mtp = self.paged.mtp
         if self.verifier is None:
@@ -149,8 +153,8 @@ class ModelRunner:
         prev = torch.stack([self.hidden_of(s) for s in seqs]) if mtp else None
         deltas = self.take_deltas() + list(batch.deltas)
         reqs = [s.req for s in seqs]
-        logits, hidden = self.verifier.verify(reqs, chunks, prev, deltas=deltas)
-        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+        logits, hidden = self.verifier.verify(reqs, chunks, prev, deltas=deltas, drafts=drafts)
+        if self.device.type == "cuda" and drafts is None:  # pragma: no cover - needs a GPU
             torch.cuda.synchronize(self.device)
         self.stats.forward_s += time.perf_counter() - t0
         return ForwardOutput(logits, hidden if mtp else None)

@@ -382,19 +382,16 @@ class Runner:
 
     def _speculate(self, seqs: list[_Seq]) -> list[GenerationResult]:
         """One verify step: the strategy proposes, the loop extends and executes, the strategy
-        judges, the loop rolls back (in reverse batch order: a full rejection restores the free
-        stacks exactly), keeps the MTP hidden states and emits."""
+        judges and settles (draft values, rollbacks in reverse batch order, hidden states), the
+        loop notes the rollbacks' deltas and emits."""
         assert self.spec is not None
         proposal = self.spec.propose(seqs)
         batch = self.scheduler.allocate(BatchKind.VERIFY, proposal.seqs, proposal.chunks)
         if batch is None:
             return []
         self.spec.note(batch.deltas)
-        verdict = self.spec.judge(batch, self.model_runner.execute(batch), proposal)
-        for seq, n in reversed(list(zip(batch.seqs, verdict.rollback))):
-            self._note_deltas(self.cache.rollback(seq.req, n).deltas)
-        if verdict.hidden is not None:
-            for seq, h in zip(batch.seqs, verdict.hidden):
-                seq.hidden = (seq.req, h)
+        output = self.model_runner.execute(batch, self.spec.device_drafts_of(batch, proposal))
+        verdict = self.spec.judge(batch, output, proposal)
+        self._note_deltas(self.spec.settle(self.cache, batch, verdict))
         self.stats.decode_tokens += sum(len(e) for e in verdict.emitted)
         return self.emission.emit_tokens(batch.seqs, verdict.emitted)

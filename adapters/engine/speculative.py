@@ -36,12 +36,13 @@ from adapters.engine.drafts import (
     MTPDraft,
     OracleDraft,
     SampledDraft,
+    device_source,
 )
 from adapters.engine.model_runner import ForwardOutput, ModelRunner
 from adapters.engine.rejection import accept_sampled
 from adapters.engine.sequence import _Seq
 from adapters.forward.graph_verify import GraphVerifier
-from shadowradix import PageTableDelta
+from shadowradix import PageTableDelta, ShadowRadixCache
 
 __all__ = [
     "DraftBatch",
@@ -70,6 +71,7 @@ class SpecStats:
     accepted_tokens: int = 0  # drafts the target agreed with
     emitted_tokens: int = 0  # accepted drafts + the target's token, after max_new / stop cuts
     draft_s: float = 0.0
+    device_steps: int = 0  # verify steps whose drafts stayed on the device (one host read)
 
     @property
     def acceptance_rate(self) -> float:
@@ -111,11 +113,14 @@ def cut_emission(tokens: list[int], room: int, stop_token: int | None) -> list[i
 class Proposal:
     """What a verify step computes: per request (in ``seqs`` order) its pending token and its
     ``k`` drafts (``chunks``), and the distributions the drafts were sampled from ``(B, k, V)``
-    (``probs``; ``None``: a deterministic source)."""
+    (``probs``; ``None``: a deterministic source). ``device``: the drafts ``(B, k)`` on the
+    device, never read back before the verify step; the chunks' drafts are then
+    `PLACEHOLDER` (the cache's extend needs only their count)."""
 
     seqs: tuple[_Seq, ...]
     chunks: tuple[list[int], ...]
     probs: torch.Tensor | None
+    device: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -123,11 +128,19 @@ class Verdict:
     """What a verify step's output means, per request of its batch: the tokens to emit
     (accepted drafts, then the target's token, cut at max_new_tokens / the stop token), how
     many of its verified tokens to roll back, and the main hidden state at its last kept row
-    (``hidden[i]``; ``None``: no MTP state is kept)."""
+    (``hidden[i]``; ``None``: no MTP state is kept). ``tokens``: the verified chunks' true
+    values, where the cache holds placeholders (device drafts; `settle` writes them)."""
 
     emitted: tuple[list[int], ...]
     rollback: tuple[int, ...]
     hidden: torch.Tensor | None = None
+    tokens: tuple[list[int], ...] | None = None
+
+
+#: the value a device draft holds in the host's chunks and the cache until the step's one host
+#: read (`ShadowRadixCache.resolve_draft`); nothing reads it: the verify step's input is the
+#: device copy, and draft positions are private until the rollback commits them
+PLACEHOLDER = 0
 
 
 class SpeculativeDecoder:
@@ -143,6 +156,10 @@ class SpeculativeDecoder:
     ) -> None:
         self.model_runner, self.num_tokens, self.draft = model_runner, num_tokens, draft
         self.stats = SpecStats()
+        #: greedy batches keep their drafts on the device where the source and the verifier
+        #: can (one host read per step); False: the host path (drafts read back before verify)
+        self.device_drafts = True
+        self._device_source = device_source(draft)
         self._vocab = context.weights.config.vocab_size
         #: page-table deltas not yet seen by the draft source's device tables
         self._undrafted: list[PageTableDelta] = []
@@ -157,10 +174,41 @@ class SpeculativeDecoder:
         """Keeps table changes for the draft source (`DraftBatch.deltas`)."""
         self._undrafted += deltas
 
+    def on_device(self, seqs: Sequence[_Seq]) -> bool:
+        """Whether ``seqs``' drafts stay on the device: every request greedy, a source with a
+        device path, the graph verifier, and `device_drafts` on."""
+        return (
+            self.device_drafts
+            and self._device_source is not None
+            and self.verifier is not None
+            and all(s.sampler.greedy for s in seqs)
+        )
+
     def propose(self, seqs: list[_Seq]) -> Proposal:
         """The drafts of ``seqs`` (each with exactly one pending token), checked: `DraftError`
-        for a source that breaks its contract, before the cache is touched."""
+        for a source that breaks its contract, before the cache is touched. On the device path
+        (`on_device`) the drafts are queued on the device and not read (argmax ids: in range
+        by construction); the chunks hold `PLACEHOLDER`."""
         t0 = time.perf_counter()
+        batch = self._batch(seqs)
+        if self.on_device(seqs):
+            assert self._device_source is not None
+            device = self._device_source.propose_device(batch)
+            self.stats.draft_s += time.perf_counter() - t0
+            fill = [PLACEHOLDER] * self.num_tokens
+            chunks = tuple([s.result.output[-1], *fill] for s in seqs)
+            return Proposal(tuple(seqs), chunks, None, device)
+        proposal = self.draft.propose(batch)
+        drafts, probs = proposal, None
+        if isinstance(proposal, SampledDraft):
+            drafts, probs = proposal.tokens, proposal.probs
+            self._check_probs(probs, len(seqs))
+        checked = self._check(drafts, len(seqs))
+        self.stats.draft_s += time.perf_counter() - t0
+        chunks = tuple([s.result.output[-1]] + d for s, d in zip(seqs, checked))
+        return Proposal(tuple(seqs), chunks, probs)
+
+    def _batch(self, seqs: list[_Seq]) -> DraftBatch:
         hidden = None
         if self.draft.uses_mtp:
             hidden = torch.stack([self.model_runner.hidden_of(s) for s in seqs])
@@ -180,15 +228,20 @@ class SpeculativeDecoder:
             uniforms,
         )
         self._undrafted = []
-        proposal = self.draft.propose(batch)
-        drafts, probs = proposal, None
-        if isinstance(proposal, SampledDraft):
-            drafts, probs = proposal.tokens, proposal.probs
-            self._check_probs(probs, len(seqs))
-        checked = self._check(drafts, len(seqs))
-        self.stats.draft_s += time.perf_counter() - t0
-        chunks = tuple([s.result.output[-1]] + d for s, d in zip(seqs, checked))
-        return Proposal(tuple(seqs), chunks, probs)
+        return batch
+
+    def device_drafts_of(self, batch: ScheduledBatch, proposal: Proposal) -> torch.Tensor | None:
+        """The device drafts of ``batch``'s requests (the proposal's that the extend did not
+        preempt), or None on the host path."""
+        dev = proposal.device
+        same = len(batch.seqs) == len(proposal.seqs) and all(
+            a is b for a, b in zip(batch.seqs, proposal.seqs)
+        )
+        if dev is None or same:
+            return dev
+        row = {id(s): i for i, s in enumerate(proposal.seqs)}
+        keep = torch.tensor([row[id(s)] for s in batch.seqs], dtype=torch.long)
+        return dev[keep.to(dev.device)]
 
     def _check_probs(self, probs: object, batch: int) -> None:
         shape = (batch, self.num_tokens, self._vocab)
@@ -211,13 +264,18 @@ class SpeculativeDecoder:
         says what to roll back, for the requests of ``batch`` (those of ``proposal`` that the
         extend did not preempt). Counts the step (`SpecStats`); changes nothing else."""
         seqs, t = batch.seqs, self.num_tokens + 1
-        probs = proposal.probs
-        if probs is not None:  # the extend may have preempted some of the proposal's requests
-            row = {id(s): i for i, s in enumerate(proposal.seqs)}
-            probs = probs[torch.tensor([row[id(s)] for s in seqs], dtype=torch.long)]
         rows = output.logits.view(len(seqs), t, -1)
-        drafts = [c[1:] for c in batch.chunks]
-        emitted, accepted = self._accept(list(seqs), drafts, rows, probs)
+        tokens = None
+        if proposal.device is not None:  # the step's one host read: drafts and argmax
+            drafts_dev = self.device_drafts_of(batch, proposal)
+            assert drafts_dev is not None
+            packed = torch.cat((drafts_dev, rows.argmax(dim=-1)), dim=1).tolist()
+            drafts = [r[: t - 1] for r in packed]
+            emitted, accepted = accept_greedy(drafts, [r[t - 1 :] for r in packed])
+            tokens = tuple([c[0], *d] for c, d in zip(batch.chunks, drafts))
+            self.stats.device_steps += 1
+        else:
+            emitted, accepted = self._host_accept(batch, rows, proposal)
         emitted = [
             cut_emission(e, s.params.max_new_tokens - len(s.result.output), s.params.stop_token)
             for s, e in zip(seqs, emitted)
@@ -227,7 +285,34 @@ class SpeculativeDecoder:
             last = [i * t + len(e) - 1 for i, e in enumerate(emitted)]
             kept = output.hidden[torch.tensor(last, device=output.hidden.device)]
         self._count(len(seqs), emitted, accepted)
-        return Verdict(tuple(emitted), tuple(t - len(e) for e in emitted), kept)
+        return Verdict(tuple(emitted), tuple(t - len(e) for e in emitted), kept, tokens)
+
+    def _host_accept(self, batch: ScheduledBatch, rows: torch.Tensor, proposal: Proposal):
+        """The host path's acceptance: the chunks hold the drafts' values."""
+        seqs = batch.seqs
+        probs = proposal.probs
+        if probs is not None:  # the extend may have preempted some of the proposal's requests
+            row = {id(s): i for i, s in enumerate(proposal.seqs)}
+            probs = probs[torch.tensor([row[id(s)] for s in seqs], dtype=torch.long)]
+        drafts = [c[1:] for c in batch.chunks]
+        return self._accept(list(seqs), drafts, rows, probs)
+
+    def settle(
+        self, cache: ShadowRadixCache, batch: ScheduledBatch, verdict: Verdict
+    ) -> list[PageTableDelta]:
+        """Applies ``verdict`` to the cache: the true draft values where it held placeholders,
+        then each request's rollback in reverse batch order (a full rejection restores the free
+        stacks exactly); keeps the hidden states. Returns the rollbacks' deltas, in order."""
+        if verdict.tokens is not None:
+            for seq, chunk in zip(batch.seqs, verdict.tokens):
+                cache.resolve_draft(seq.req, chunk)
+        deltas: list[PageTableDelta] = []
+        for seq, n in reversed(list(zip(batch.seqs, verdict.rollback))):
+            deltas += cache.rollback(seq.req, n).deltas
+        if verdict.hidden is not None:
+            for seq, h in zip(batch.seqs, verdict.hidden):
+                seq.hidden = (seq.req, h)
+        return deltas
 
     def _accept(self, seqs: list[_Seq], drafts: list[list[int]], logits: torch.Tensor, probs):
         """Greedy requests keep the drafts equal to the target's argmax (`accept_greedy`);

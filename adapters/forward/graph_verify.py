@@ -21,12 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from adapters.forward.buckets import context_bucket, power_bucket
 from adapters.forward.graph_decode import DecodeBuffers, GraphDecoder, GraphKeys, _with_late_mask
 from adapters.forward.graph_meta import StepMeta, step_metadata
 from adapters.forward.mtp import write_state
+from adapters.memory.device import upload
 from adapters.memory.pools import KVPools
 from adapters.model import ops
 from adapters.model.model import final_hidden, head_logits
@@ -55,13 +57,18 @@ class VerifyBuffers(DecodeBuffers):
         chunks: list[list[int]],
         prev_hidden: torch.Tensor | None,
         deltas: Iterable[PageTableDelta],
+        drafts: torch.Tensor | None = None,
     ) -> None:
         """Raw state of a verify step: ``requests`` were just extended by ``chunks`` (T tokens
         each); ``deltas`` as in `DecodeBuffers.load` (the last step's rollbacks, then this
-        step's extend)."""
+        step's extend). ``drafts`` ``(B, T - 1)`` on the device: tokens ``1..T-1`` of every
+        chunk, copied on the device over the chunks' (placeholder) values, so the host never
+        reads them. Nothing here waits for the device (non-blocking uploads)."""
         super().load(requests, [c[0] for c in chunks], deltas)
         b = len(requests)
-        self.block[:b] = torch.tensor(chunks, dtype=torch.long).to(self.block.device)
+        self.block[:b].copy_(upload(np.asarray(chunks, dtype=np.int64), self.block.device))
+        if drafts is not None:
+            self.block[:b, 1:].copy_(drafts)
         if prev_hidden is not None:
             self.prev_hidden[:b] = prev_hidden.to(self.prev_hidden.dtype)
 
@@ -137,15 +144,20 @@ class GraphVerifier(GraphDecoder):
         prev_hidden: torch.Tensor | None = None,
         *,
         deltas: Iterable[PageTableDelta],
+        drafts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``(B*T, V)`` (fp32) and hidden states ``(B*T, D)`` of a verify step; the
         requests were just extended by ``chunks`` (``num_tokens`` each). ``prev_hidden``
         ``(B, D)``: the main hidden state before each chunk (needed with ``mtp``).
         ``deltas``: the page-table deltas of these requests since the last step, this step's
-        extend last (`VerifyBuffers.load_block`)."""
+        extend last (`VerifyBuffers.load_block`). ``drafts``: the chunks' drafts on the device
+        (their values in ``chunks`` are then placeholders). The step is queued, not waited
+        for."""
         if any(len(c) != self.num_tokens for c in chunks):
             raise ValueError(f"a verify step takes exactly {self.num_tokens} tokens per request")
-        self.buffers.load_block(requests, chunks, prev_hidden, deltas)
+        if drafts is not None and tuple(drafts.shape) != (len(chunks), self.num_tokens - 1):
+            raise ValueError(f"device drafts must be ({len(chunks)}, {self.num_tokens - 1})")
+        self.buffers.load_block(requests, chunks, prev_hidden, deltas, drafts)
         longest = max(r.length for r in requests)
         context = context_bucket(longest, self.min_context_bucket, self.buffers.max_context)
         batch = min(power_bucket(len(requests), 1), self.buffers.max_batch)
