@@ -34,6 +34,7 @@ from adapters.engine.sampling import SamplingParams  # noqa: E402
 from adapters.memory.engram_table import init_table  # noqa: E402
 from adapters.memory.pool_budget import budget_cache_config  # noqa: E402
 from adapters.model.model_config import EngramPlacement, ModelConfig, preset  # noqa: E402
+from adapters.model.weights import init_weights  # noqa: E402
 from bench.meta import run_meta  # noqa: E402
 
 GIB = 2**30
@@ -64,12 +65,15 @@ def decode(
     alternating between them; the median wall time."""
     prompts = [[(31 * i + 7 * b) % 256 for i in range(prompt_len)] for b in range(batch)]
     runners = {}
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    weights = init_weights(cfg, device, dtype)  # drawn once (a flash-shaped draw takes a minute)
     for placement in (EngramPlacement.DEVICE, EngramPlacement.HOST):
         model = replace(cfg, engram_placement=placement)
         full = -(-(batch * (prompt_len + new) + 1024) // 64) * 64
         cc = model.cache_config(page_size=64, full_capacity=full,
                                 swa_capacity=batch * 2 * (model.window + 64))  # fmt: skip
-        runner = Runner(model, cc, device=device, chunk_tokens=max(256, prompt_len),
+        runner = Runner(model, cc, device=device, weights=replace(weights, config=model),
+                        dtype=dtype, chunk_tokens=max(256, prompt_len),
                         max_running=batch)  # fmt: skip
         runner.generate(prompts, SamplingParams(max_new_tokens=new))  # warm-up, same shapes
         runners[placement] = runner
