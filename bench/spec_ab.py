@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -87,7 +88,7 @@ def main() -> int:
     out: dict = dict(meta=run_meta(), args=vars(args), rows=[])
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = [[BOS, *d] for d in heldout_docs(default_data(), batch, args.prompt_len)]
-        variants = []  # (name, runner, device_drafts)
+        variants: list[tuple[str, Runner, bool | None]] = []  # (name, runner, device_drafts)
         for source, k, _ in ROWS:
             if k is None:
                 variants.append(
@@ -115,7 +116,7 @@ def main() -> int:
         for name, r, on in variants:
             ms_step = [1e3 * w / max(1, s) for w, s, _ in samples[name]]
             ms_tok = [1e3 * w / max(1, t) for w, _, t in samples[name]]
-            row = dict(batch=batch, name=name, device_drafts=on,
+            row: dict[str, Any] = dict(batch=batch, name=name, device_drafts=on,
                        ms_per_step=statistics.median(ms_step),
                        ms_per_step_all=[round(x, 4) for x in ms_step],
                        tokens_per_step=statistics.median(t / max(1, s) for _, s, t in
