@@ -113,10 +113,10 @@ def main() -> int:
                 if rep:
                     samples[name].append((wall, steps, tokens))
         base = None
-        for name, r, on in variants:
+        for name, r, flag in variants:
             ms_step = [1e3 * w / max(1, s) for w, s, _ in samples[name]]
             ms_tok = [1e3 * w / max(1, t) for w, _, t in samples[name]]
-            row: dict[str, Any] = dict(batch=batch, name=name, device_drafts=on,
+            row: dict[str, Any] = dict(batch=batch, name=name, device_drafts=flag,
                        ms_per_step=statistics.median(ms_step),
                        ms_per_step_all=[round(x, 4) for x in ms_step],
                        tokens_per_step=statistics.median(t / max(1, s) for _, s, t in
