@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from small_models import SHORT
+from small_models import CFG, SHORT, SHORT_SHARED
 
 from adapters.distributed.cp_comm import DistComm, ThreadWorld
 from adapters.distributed.cp_spawn import spawn_gloo
@@ -26,6 +26,7 @@ from adapters.distributed.tp import (
     tp_forward,
     tp_keys,
 )
+from adapters.distributed.tp_runner import greedy_run, head_counts, model_cache_config, tp_runner
 from adapters.model.reference import DenseKeys, reference_logits
 from adapters.model.weights import init_weights
 
@@ -38,6 +39,36 @@ CASES = {
     "pad_tp4": (replace(SHORT, num_heads=8), 4, 4),  # 2 -> 4
     "pad_tp2_wide": (SHORT, 2, 8),  # 1 -> 8
 }
+
+
+#: TP Runners (paged prefill, paged or graph decode; #16): name -> (model, tp, head multiple,
+#: graph decode); two prompts batched, chunked prefill, 8 greedy tokens each
+RUNNER_CASES = {
+    "runner_tp2_paged": (replace(CFG, num_heads=6), 2, 4, False),  # 3 -> 4, window 128, C128
+    "runner_tp2_graph": (replace(CFG, num_heads=6), 2, 4, True),
+    "runner_tp4_graph": (replace(SHORT, num_heads=8), 4, 4, True),  # 2 -> 4
+}
+RUNNER_PROMPTS = [[(7 * i + 3) % 256 for i in range(150)], [(5 * i + 1) % 256 for i in range(200)]]
+NEW_TOKENS = 8
+
+
+def _cache_config(cfg):  # type: ignore[no-untyped-def]
+    return model_cache_config(cfg, page_size=16, full=2048, swa=512)
+
+
+def _runner_case(cfg, tp, multiple, graph, comm):  # type: ignore[no-untyped-def]
+    """Greedy outputs, every forward's logits and the head counts of a TP Runner (tp = 1 with
+    ``comm`` None: the plain Runner over the full weights)."""
+    from adapters.engine.runner import Runner
+
+    w = init_weights(cfg, dtype=torch.float64)
+    kw = dict(chunk_tokens=64, graph_decode=graph)
+    if comm is None:
+        r = Runner(cfg, _cache_config(cfg), "cpu", torch.float64, weights=w, **kw)
+    else:
+        r = tp_runner(w, _cache_config(cfg), TPLayout(tp, multiple), comm, **kw)
+    out, logits = greedy_run(r, RUNNER_PROMPTS, NEW_TOKENS)
+    return out, logits, (head_counts(r) if comm is not None else {})
 
 
 def _prompt() -> torch.Tensor:
@@ -66,6 +97,13 @@ def _ranks(rank: int, out: str) -> None:  # pragma: no cover - spawned ranks
         comm = DistComm(pair if tp == 2 else None)
         logits, heads = _run(cfg, TPLayout(tp, multiple), comm)
         torch.save(dict(logits=logits, heads=heads), Path(out) / f"{name}_r{rank}.pt")
+    for name, (cfg, tp, multiple, graph) in RUNNER_CASES.items():
+        if tp == 2 and rank > 1:
+            continue
+        outs, logits, heads = _runner_case(
+            cfg, tp, multiple, graph, DistComm(pair if tp == 2 else None)
+        )
+        torch.save(dict(outputs=outs, logits=logits, heads=heads), Path(out) / f"{name}_r{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +124,59 @@ def test_gloo_logits_equal_one_rank(gloo: Path, name: str) -> None:
         assert torch.equal(r["logits"], ranks[0]["logits"])  # replicated streams stay equal
         assert set(r["heads"]) == {padded}  # every attention call ran padded
     assert padded % multiple == 0
+
+
+@functools.cache
+def _runner_reference(cfg, graph):  # type: ignore[no-untyped-def]
+    return _runner_case(cfg, 1, 1, graph, None)
+
+
+@pytest.mark.parametrize("name", sorted(RUNNER_CASES))
+def test_gloo_tp_runner_equals_one_rank(gloo: Path, name: str) -> None:
+    """Each rank's Runner (its heads' shards, replicated pools) emits the single engine's
+    greedy tokens, and every forward's logits (prefill chunks, each decode step) are within
+    1e-12 of the single engine's; every attention call ran with the padded head count."""
+    cfg, tp, multiple, graph = RUNNER_CASES[name]
+    outs, logits, _ = _runner_reference(cfg, graph)
+    padded = TPLayout(tp, multiple).padded_heads(cfg)
+    for r in [torch.load(gloo / f"{name}_r{q}.pt") for q in range(tp)]:
+        assert r["outputs"] == outs
+        assert len(r["logits"]) == len(logits)
+        assert sum(t.numel() > 0 for t in logits) >= NEW_TOKENS  # each decode step's
+        for mine, ref in zip(r["logits"], logits):
+            assert mine.shape == ref.shape
+            assert not mine.numel() or (mine - ref).abs().max().item() <= 1e-12
+        assert set(r["heads"]) == {padded} and padded != cfg.num_heads // tp
+
+
+def test_threads_tp_runner_tail_only_and_errors() -> None:
+    """In-process ranks: a tail-only TP Runner (the padded keys restrict to the tail rows)
+    emits what the single tail-only engine emits; `tp_weights` refuses a group of the wrong
+    size and weights already sharded."""
+    from adapters.distributed.tp import tp_weights
+    from adapters.engine.runner import Runner
+
+    cfg = replace(SHORT_SHARED, num_heads=4)
+    w = init_weights(cfg, dtype=torch.float64)
+    cc = _cache_config(cfg)
+    one = Runner(cfg, cc, "cpu", torch.float64, weights=w, chunk_tokens=64, tail_only=True)
+    want, _ = greedy_run(one, RUNNER_PROMPTS, 4)
+
+    def rank(c):  # type: ignore[no-untyped-def]
+        r = tp_runner(w, cc, TPLayout(2, 4), c, chunk_tokens=64, tail_only=True)
+        from adapters.engine.sampling import SamplingParams
+
+        res = r.generate(RUNNER_PROMPTS, SamplingParams(max_new_tokens=4))
+        return [x.output for x in res], head_counts(r)
+
+    for outs, heads in ThreadWorld(2).run(rank):
+        assert outs == want and set(heads) == {4}
+    with pytest.raises(TPError, match="group of 1"):
+        ThreadWorld(1).run(lambda c: tp_weights(w, TPLayout(2), c))
+    with pytest.raises(TPError, match="already"):
+        ThreadWorld(1).run(lambda c: tp_weights(tp_weights(w, TPLayout(1), c), TPLayout(1), c))
+    with pytest.raises(TypeError):
+        head_counts(one)
 
 
 def test_threads_padding_is_what_the_kernel_sees() -> None:

@@ -20,7 +20,9 @@ in attention, so the real heads' outputs are untouched by the padding.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -109,21 +111,31 @@ class PaddedHeads:
         return out[:, :h].contiguous()
 
 
+    def restrict(self, rows: torch.Tensor) -> PaddedHeads:
+        """Tail-only prefill's later layers (`model.TailKeys`): the restricted keys, padded."""
+        return PaddedHeads(self.inner.restrict(rows), self.multiple)  # type: ignore[attr-defined]
+
+
 class HeadMultiple:
     """`KeySource` that enforces an attention kernel's head contract before calling
     ``inner``: raises `HeadPaddingError` for a head count that is not a multiple of
-    ``multiple`` (on CPU nothing else would; FlashMLA refuses such calls)."""
+    ``multiple`` (on CPU nothing else would; FlashMLA refuses such calls). ``head_counts``:
+    how many calls ran with each head count (shared with ``counts`` when given)."""
 
-    def __init__(self, inner: KeySource, multiple: int) -> None:
+    def __init__(self, inner: KeySource, multiple: int, counts: Counter[int] | None = None):
         self.inner, self.multiple = inner, multiple
-        self.head_counts: list[int] = []  # every call's, for inspection
+        self.head_counts: Counter[int] = Counter() if counts is None else counts
 
     def attend(self, layer: LayerInput) -> torch.Tensor:
         heads = layer.q.shape[1]
         if heads % self.multiple:
             raise HeadPaddingError(f"{heads} heads: the kernel needs a multiple of {self.multiple}")
-        self.head_counts.append(heads)
+        self.head_counts[heads] += 1
         return self.inner.attend(layer)
+
+    def restrict(self, rows: torch.Tensor) -> HeadMultiple:
+        inner = self.inner.restrict(rows)  # type: ignore[attr-defined]
+        return HeadMultiple(inner, self.multiple, self.head_counts)
 
 
 def tp_layer_forward(
@@ -165,3 +177,34 @@ def tp_keys(inner: KeySource, layout: TPLayout) -> tuple[PaddedHeads, HeadMultip
     source to pass to `tp_forward`, and the guard (whose ``head_counts`` tests read)."""
     guard = HeadMultiple(inner, layout.head_multiple)
     return PaddedHeads(guard, layout.head_multiple), guard
+
+
+class TPHooks:
+    """`ModelWeights.parallel` of one tensor-parallel rank (`tp_weights`): every forward over
+    the weights (the Runner's paged prefill and decode, graph decode, verify, tail-only)
+    attends through `PaddedHeads` around the kernel's head contract and all-reduces the
+    output projection's partial sums. ``head_counts``: attention calls per head count."""
+
+    def __init__(self, comm: Comm, head_multiple: int) -> None:
+        self.comm, self.head_multiple = comm, head_multiple
+        self.head_counts: Counter[int] = Counter()
+
+    def reduce(self, out: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce_sum(out)
+
+    def keys(self, keys: Any) -> PaddedHeads:
+        guard = HeadMultiple(keys, self.head_multiple, self.head_counts)
+        return PaddedHeads(guard, self.head_multiple)
+
+
+def tp_weights(weights: ModelWeights, layout: TPLayout, comm: Comm) -> ModelWeights:
+    """``comm.rank``'s `shard_weights` carrying its `TPHooks`: pass them as
+    ``Runner(..., weights=)`` and the unchanged engine runs tensor-parallel (every rank a
+    Runner over the same prompts, pools replicated). Raises `TPError` if ``comm`` is not a
+    group of ``layout.tp`` ranks or ``weights`` are already sharded."""
+    if comm.size != layout.tp:
+        raise TPError(f"a group of {comm.size} ranks for tp = {layout.tp}")
+    if weights.parallel is not None:
+        raise TPError("these weights are already sharded")
+    hooks = TPHooks(comm, layout.head_multiple)
+    return replace(shard_weights(weights, layout, comm.rank), parallel=hooks)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -31,6 +31,9 @@ class LayerInput:
     q: torch.Tensor  # (N, H, d) roped queries
     kv: torch.Tensor  # (N, d) roped shared latent (K and V)
     positions: torch.Tensor  # (N,)
+
+
+K = TypeVar("K")
 
 
 class KeySource(Protocol):
@@ -129,11 +132,20 @@ def final_hidden(
 ) -> torch.Tensor:
     """The last layer's hidden state ``(N, D)`` (mean of the residual streams), before the
     final norm and the head: what the MTP layer reads for the next position."""
-    cfg = weights.config
+    cfg, (keys, reduce) = weights.config, _parallel(weights, keys)
     streams = embed(weights, tokens)
     for i, lw in enumerate(weights.layers):
-        streams = layer_forward(cfg, i, lw, streams, positions, keys, None, _memory(engram, i))
+        streams = layer_forward(cfg, i, lw, streams, positions, keys, reduce, _memory(engram, i))
     return streams.mean(dim=1)
+
+
+def _parallel(
+    weights: ModelWeights, keys: K
+) -> tuple[K, Callable[[torch.Tensor], torch.Tensor] | None]:
+    """``keys`` and the output reduction under ``weights.parallel`` (tensor parallelism's
+    hooks: head padding around ``keys``, the all-reduce after ``W_o``); unchanged without."""
+    par = weights.parallel
+    return (keys, None) if par is None else (par.keys(keys), par.reduce)
 
 
 def head_logits(
@@ -174,17 +186,17 @@ def forward_tail_only(
     cfg = weights.config
     if cfg.last_kv_source is None:
         raise ValueError("tail-only needs cross-layer sharing: the model has no kv_sources")
-    cut = cfg.last_kv_source + 1
+    cut, (keys, red) = cfg.last_kv_source + 1, _parallel(weights, keys)
     streams = embed(weights, tokens)
     for i in range(cut):
         memory = _memory(engram, i)
-        streams = layer_forward(cfg, i, weights.layers[i], streams, positions, keys, None, memory)
+        streams = layer_forward(cfg, i, weights.layers[i], streams, positions, keys, red, memory)
     streams, positions = streams[tail_rows], positions[tail_rows]
     late = keys.restrict(tail_rows)
     late_engram = None if engram is None else engram.restrict(tail_rows)
     for i in range(cut, cfg.num_layers):
         memory = _memory(late_engram, i)
-        streams = layer_forward(cfg, i, weights.layers[i], streams, positions, late, None, memory)
+        streams = layer_forward(cfg, i, weights.layers[i], streams, positions, late, red, memory)
     if logit_rows is not None:
         streams = streams[logit_rows]
     final = ops.rms_norm(streams.mean(dim=1), weights.final_norm, cfg.norm_eps)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Any, Protocol
 
 import torch
 
@@ -97,6 +98,19 @@ class MTPWeights:
     final_norm: torch.Tensor  # (D,)
 
 
+class ParallelHooks(Protocol):
+    """What a forward over head-sharded weights does beyond one rank's maths."""
+
+    def reduce(self, out: torch.Tensor) -> torch.Tensor:
+        """The attention's output projection summed over the ranks (before the residual
+        merge)."""
+        ...
+
+    def keys(self, keys: Any) -> Any:
+        """The `KeySource` the layers attend through (head padding around ``keys``)."""
+        ...
+
+
 @dataclass(frozen=True)
 class ModelWeights:
     config: ModelConfig
@@ -105,6 +119,9 @@ class ModelWeights:
     final_norm: torch.Tensor
     head: torch.Tensor  # (D, V)
     mtp: MTPWeights | None = None
+    #: tensor parallelism's hooks, set by `adapters.distributed.tp.shard_weights` (``None``:
+    #: one rank): every forward over these weights applies them (`model.final_hidden`)
+    parallel: ParallelHooks | None = None
 
     @property
     def device(self) -> torch.device:
