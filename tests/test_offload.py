@@ -10,6 +10,7 @@ import pytest
 import torch
 from small_models import SMALL as SMALL_MODEL
 
+from adapters.engine.modes import UnsupportedModeError
 from adapters.engine.runner import Runner
 from adapters.engine.sampling import SamplingParams
 from adapters.memory.offload import C4Offload
@@ -126,8 +127,8 @@ def test_bad_hisparse_configurations() -> None:
     with pytest.raises(ValueError, match="top-"):
         make_runner(16, hisparse=MODEL.index_topk)  # cannot hold one query's reads + a write
     cc = MODEL.cache_config(page_size=16, full_capacity=16 * 40, swa_capacity=16 * 12)
-    with pytest.raises(ValueError, match="graph"):
-        Runner(
+    with pytest.raises(UnsupportedModeError, match="graph verify steps do not read"):
+        Runner(  # graph decode + HiSparse works; with speculation (graph verify) it does not
             MODEL,
             cc,
             device="cpu",
@@ -136,6 +137,7 @@ def test_bad_hisparse_configurations() -> None:
             chunk_tokens=24,
             hisparse_pages=8,
             graph_decode=True,
+            speculative_tokens=2,
         )
     cc2 = MODEL.cache_config(page_size=2, full_capacity=2 * 200, swa_capacity=2 * 60)
     with pytest.raises(ValueError, match="page size"):
@@ -182,7 +184,7 @@ def test_inflight_backups_fill_the_mirror_when_completed() -> None:
     assert off._inflight == [] and not off.coordinator.resident(j, [0]).any()
     device_bytes, host_bytes = off.nbytes()
     assert device_bytes == 2 * 4 * off.spp * MODEL.head_dim * 8  # 2 C4 layers x (3 + sentinel)
-    assert host_bytes == 2 * cc.max_full_pages * off.spp * MODEL.head_dim * 8
+    assert host_bytes == 2 * (cc.max_full_pages + 1) * off.spp * MODEL.head_dim * 8  # + sentinel
 
 
 def test_a_step_counts_the_pages_its_new_entries_land_in() -> None:

@@ -116,7 +116,8 @@ class GraphKeys:
         ratio = layer.weights.ratio
         if ratio:
             sm, source = m.streams[ratio], cfg.kv_source_of(i)
-            hs = self.hisparse if self.hisparse is not None and self.hisparse.holds(source) else None
+            hs = self.hisparse
+            hs = hs if hs is not None and hs.holds(source) else None
             if source == i:
                 comp = layer.weights.compressor
                 assert comp is not None

@@ -181,6 +181,7 @@ class GraphResidency:
     def after_step(self, rows: int) -> None:
         """After a graph step of ``rows`` query rows was queued: its records to the host,
         without waiting (read at the next `commit`)."""
+
         def host(t: torch.Tensor) -> torch.Tensor:
             out = torch.empty(t[:rows].shape, dtype=t.dtype, pin_memory=self._cuda)
             return out.copy_(t[:rows], non_blocking=self._cuda)
