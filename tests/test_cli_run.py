@@ -86,8 +86,6 @@ def test_run_prompts_from_arguments_and_file(
          "an EAGLE head needs trained weights"),
         (["run", "x", "--model", "tiny-shared", "--tail-only", "--speculative", "2"],
          "MTP drafts with tail-only prefill are not supported"),
-        (["run", "x", "--speculative", "2", "--hisparse-pages", "40"],
-         "speculative decoding with HiSparse is not supported"),
         (["run", "x", "--model", "tiny", "--tail-only"],
          "tail-only prefill needs V4.1 cross-layer sharing"),
         (["demo", "--page-size", "3"], "page_size must be one of"),

@@ -187,7 +187,7 @@ def test_the_option_says_what_it_covers() -> None:
     res = default.generate([[1, 2, 3]], None)
     line = next(x for x in summary(default, res, 1.0).splitlines() if x.startswith("paths:"))
     assert "decode eager (serialised)" in line
-    for kw, what in (({"graph_decode": False}, "the paged"), ({"hisparse_pages": 40}, "HiSparse")):
+    for kw, what in (({"graph_decode": False}, "the paged"),):
         with pytest.raises(ValueError, match=f"needs the graph decoder: {what}"):
             _runner(True, **{"graph_decode": None, **kw})
     cc = CFG.cache_config(page_size=PAGE, full_capacity=PAGE * 80, swa_capacity=PAGE * 32,

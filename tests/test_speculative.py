@@ -434,8 +434,6 @@ def test_runner_rejects_unsupported_speculation(make_runner) -> None:
         make_runner(page=4, chunk=3, swa_pages=7, k=8)
     with pytest.raises(ValueError, match="speculative_tokens"):
         make_runner(k=None, draft=oracle)
-    with pytest.raises(ValueError, match="HiSparse"):
-        make_runner(k=2, hisparse_pages=32)
     no_mtp = preset("tiny", **SMALL, window=16, compress_ratios=(0, 4, 16, 4), mtp=False)
     cc = no_mtp.cache_config(page_size=4, full_capacity=256, swa_capacity=128, speculative=True)
     with pytest.raises(ValueError, match="MTP"):
