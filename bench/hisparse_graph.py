@@ -1,0 +1,206 @@
+"""HiSparse inside graph decode: tokens/s of CUDA-graph decode with every C4 page resident versus
+CUDA-graph decode with the C4 KV in the host mirror and a device buffer of ``--buffer-fraction``
+of the C4 pages (`adapters.memory.residency.GraphResidency`: the previous step's plan, misses
+read zero-copy from the pinned mirror).
+
+``--batch`` requests of ``--context`` tokens of synthetic context (pages filled with random
+values through the cache and the coordinator, as in bench/hisparse_decode.py), then ``--steps``
+timed decode steps (after 3 of warm-up, the first captures the graph) through `GraphDecoder`,
+each timed end to end (the cache's ``extend_batch``, the step with HiSparse's commit / table
+sync / records, the argmax read back). Random weights: the top-k has no temporal locality, a
+worst case for a plan taken from the previous step. Target: HiSparse >= 0.95x all-resident.
+
+    python bench/hisparse_graph.py --context 200000 --batch 8 --steps 20 --out result.json
+    python bench/hisparse_graph.py --device cpu --context 2048 --batch 2 --steps 4  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from adapters.forward.graph_decode import GraphDecoder  # noqa: E402
+from adapters.memory.offload import C4Offload  # noqa: E402
+from adapters.memory.pools import KVPools  # noqa: E402
+from adapters.memory.residency import GraphResidency  # noqa: E402
+from adapters.model.model_config import ModelConfig, preset  # noqa: E402
+from adapters.model.weights import ModelWeights, init_weights  # noqa: E402
+from bench.hisparse_decode import cache_config, fill  # noqa: E402
+from bench.meta import run_meta  # noqa: E402
+from shadowradix import ShadowRadixCache  # noqa: E402
+
+WARMUP = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    batch: int
+    context: int
+    steps: int
+    page_size: int
+
+    @property
+    def max_context(self) -> int:
+        return self.context + self.steps + WARMUP + 1
+
+    @property
+    def c4_pages(self) -> int:
+        """Host pages of C4 KV the requests end with (the cache's virtual pages)."""
+        return self.batch * (-(-(self.max_context + 8) // self.page_size) + 1)
+
+
+def buffer_pages(model: ModelConfig, point: Point, fraction: float) -> int:
+    """``fraction`` of the C4 pages, at least one query's top-k pages plus two."""
+    return max(model.index_topk + 2, int(point.c4_pages * fraction))
+
+
+def load_buffer(off: C4Offload, pages: np.ndarray) -> None:
+    """Copies the mirror pages that `fill` left resident into their buffer slots (a resident
+    page's buffer copy equals its mirror page, as `GraphResidency` keeps it)."""
+    for j, layer in enumerate(off.layers):
+        held = pages[off.coordinator.resident(j, pages)]
+        slots = torch.from_numpy(off.coordinator.slots(j, held)).to(off.device)
+        off.buffer[layer][slots] = off.host[layer][torch.from_numpy(held)].to(off.device)
+
+
+def decode_arm(model: ModelConfig, weights: ModelWeights, point: Point, pages: int | None,
+               max_swaps: int | None) -> dict:  # fmt: skip
+    """One arm: all-resident (``pages`` None) or HiSparse with ``pages`` buffer pages."""
+    dev, dtype, p = weights.device, weights.dtype, point
+    cc = cache_config(model, p.batch * (p.max_context + 2 * p.page_size + 8), p.page_size,
+                      2 * 16384 + p.batch * 4 * p.page_size + 8 * p.page_size)  # fmt: skip
+    pools = KVPools(model, cc, dev, dtype, offload_c4=pages is not None)
+    cache = ShadowRadixCache(cc)
+    off = None
+    if pages is not None:
+        off = C4Offload(model, cc, dev, dtype, pages, events=cache.subscribe_events())
+    gen = torch.Generator(device=dev).manual_seed(p.context)
+    reqs = fill(model, cache, pools, off, p.batch, p.context, gen)
+    res = None
+    if off is not None:
+        load_buffer(off, np.unique(np.concatenate([np.asarray(r.vpages) for r in reqs])))
+        res = GraphResidency(off, model, p.batch, max_swaps)
+    decoder = GraphDecoder(weights, pools, cc, p.batch, p.max_context,
+                           min_context_bucket=p.max_context, hisparse=res)  # fmt: skip
+    tokens = [int(r.prompt_remaining[0]) for r in reqs]
+    times: list[float] = []
+    before, counts = GraphStatsSnapshot.of(res), (0, 0)
+    for i in range(WARMUP + p.steps):
+        if i == WARMUP:
+            before, counts = GraphStatsSnapshot.of(res), res.hit_rate() if res else (0, 0)
+        t0 = time.perf_counter()
+        plan = cache.extend_batch(reqs, [[t] for t in tokens])
+        logits = decoder.step(reqs, tokens, plan.deltas)
+        tokens = logits.argmax(-1).tolist()  # synchronises
+        times.append(time.perf_counter() - t0)
+    step_s = float(np.median(times[WARMUP:]))
+    row = dict(buffer_pages=pages, c4_pages=p.c4_pages, graphs=decoder.use_graphs,
+               step_ms=step_s * 1e3, tokens_per_s=p.batch / step_s)  # fmt: skip
+    if res is not None and off is not None:
+        row.update(hisparse_row(res, off, before, counts, p.steps))
+    del decoder, res, off, pools, cache
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphStatsSnapshot:
+    """`GraphStats` counters at one moment (the timed steps' are a difference)."""
+
+    steps: int = 0
+    swap_in_pages: int = 0
+    missed_pages: int = 0
+    dropped_misses: int = 0
+
+    @classmethod
+    def of(cls, res: GraphResidency | None) -> GraphStatsSnapshot:
+        return cls() if res is None else cls(**dataclasses.asdict(res.stats))
+
+    def minus(self, other: GraphStatsSnapshot) -> dict[str, int]:
+        mine, theirs = dataclasses.asdict(self), dataclasses.asdict(other)
+        return {k: mine[k] - theirs[k] for k in mine}
+
+
+def hisparse_row(res: GraphResidency, off: C4Offload, before: GraphStatsSnapshot,
+                 counts: tuple[int, int], steps: int) -> dict:  # fmt: skip
+    """The timed steps' HiSparse counters: the commits their `before_step` ran (each of the
+    step before: the last timed step's is never run) and their entries read."""
+    hit, read = res.hit_rate()
+    hit, read = hit - counts[0], read - counts[1]
+    timed = GraphStatsSnapshot.of(res).minus(before)
+    layer_steps = max(1, steps * len(off.layers))
+    return {
+        "copy_path": off.copy_path,
+        "max_swaps": res.max_swaps,
+        "graph_stats": timed,
+        "graph_stats_total": dataclasses.asdict(res.stats),
+        "entry_hit_rate": hit / max(1, read),
+        "missed_pages_per_layer_step": timed["missed_pages"] / layer_steps,
+        "swap_in_pages_per_layer_step": timed["swap_in_pages"] / layer_steps,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="preset (default: flash-shaped on CUDA, tiny on the CPU)")
+    ap.add_argument("--device", default="cuda", help="cpu: a functional smoke run only")
+    ap.add_argument("--context", type=int, default=200_000)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--buffer-fraction", type=float, default=0.2)
+    ap.add_argument("--max-swaps", type=int, help="GraphResidency's bound (default: the top-k)")
+    ap.add_argument("--out", help="write the JSON result here")
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    model = preset(args.model or ("flash-shaped" if cuda else "tiny"))
+    dtype = torch.bfloat16 if cuda else torch.float32
+    t0 = time.perf_counter()
+    weights = init_weights(model, args.device, dtype)
+    point = Point(args.batch, args.context, args.steps, args.page_size)
+    pages = buffer_pages(model, point, args.buffer_fraction)
+    print(f"# {model.name} with RANDOM weights ({dtype}, {args.device}; weights in "
+          f"{time.perf_counter() - t0:.1f} s): {point.batch} x {point.context:,} tokens, "
+          f"{point.steps} timed steps; HiSparse buffer {pages:,} of {point.c4_pages:,} C4 "
+          f"pages per layer ({pages / point.c4_pages:.0%})", flush=True)  # fmt: skip
+    resident = decode_arm(model, weights, point, None, None)
+    hisparse = decode_arm(model, weights, point, pages, args.max_swaps)
+    ratio = hisparse["tokens_per_s"] / resident["tokens_per_s"]
+    report(resident, hisparse, ratio)
+    if args.out:
+        result = dict(meta=run_meta(), model=model.name, weights="random", dtype=str(dtype),
+                      batch=point.batch, context=point.context, steps=point.steps,
+                      page_size=point.page_size, buffer_fraction=args.buffer_fraction,
+                      resident=resident, hisparse=hisparse, ratio=ratio, target=0.95,
+                      met=ratio >= 0.95)  # fmt: skip
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def report(resident: dict, hisparse: dict, ratio: float) -> None:
+    print("| arm | graphs | buffer pages | step ms | tokens/s |")
+    print("|---|---|---|---|---|")
+    for name, row in (("all resident", resident), ("HiSparse", hisparse)):
+        print(f"| {name} | {'yes' if row['graphs'] else 'no (eager)'} | "
+              f"{row['buffer_pages'] or '-'} | {row['step_ms']:.2f} | "
+              f"{row['tokens_per_s']:.1f} |")  # fmt: skip
+    print(f"HiSparse / all resident: {ratio:.3f}x (target >= 0.95: "
+          f"{'met' if ratio >= 0.95 else 'NOT met'})")  # fmt: skip
+    print(f"HiSparse ({hisparse['copy_path']}, max_swaps {hisparse['max_swaps']}), timed steps: "
+          f"{hisparse['graph_stats']}; entry hit rate {hisparse['entry_hit_rate']:.1%}; per "
+          f"layer-step {hisparse['missed_pages_per_layer_step']:.1f} missed pages, "
+          f"{hisparse['swap_in_pages_per_layer_step']:.1f} swapped in", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
