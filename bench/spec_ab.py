@@ -1,14 +1,24 @@
 """A/B of the speculative step's host path against the device-draft path, in one process.
 
-Interleaved over ``--reps`` repetitions: plain greedy decode, MTP k=2, EAGLE k=2 and k=3, each
-speculative row with ``device_drafts`` off (old: drafts read back before verify, two host
-reads) and on (new: drafts stay on the device, one host read), at every ``--batches`` size.
-Per row: median wall ms per decode step, tokens per step, ms per token, speed-up over plain
-(median ms/token), and the share of verify steps that took the device path. Greedy outputs of
-every row are checked equal to plain decoding (it stops on a difference).
+Interleaved over ``--reps`` repetitions (after a warm-up rep 0 that captures the CUDA graphs
+and is not timed): plain greedy decode, MTP k=2, EAGLE k=2 and k=3, each speculative row with
+``device_drafts`` off (old: drafts read back before verify, two host reads) and on (new:
+drafts stay on the device, one host read), at every ``--batches`` size. Every variant keeps
+one runner (its graphs stay captured); each rep decodes its own prompts, so no rep starts on
+a prefix cached by an earlier one (``prefix_hit_tokens``, expected 0), and the cache holds
+every rep without evicting. ``timed_captures``: CUDA graphs captured inside the timed decode
+loops (expected 0: a bucket rep 0 never reached).
 
-    python bench/spec_ab.py --json bench/results/spec_ab_h200.json            # GPU, ~2 min
-    python bench/spec_ab.py --device cpu --reps 1 --new-tokens 8 --prompt-len 64  # smoke
+Per row: median wall ms per decode step, tokens per step, ms per token, speed-up over plain
+(median ms/token), the share of verify steps that took the device path, and the agreement of
+its greedy outputs with plain decoding's of the same rep and batch: in float32 / float64 any
+difference stops the run (exit 1); in bfloat16 a 1-token decode and a (k+1)-token verify round
+differently, so outputs may legitimately part after some tokens: ``equal_share`` (requests
+whose whole output equals plain's) and ``mean_first_diff`` (mean first differing position of
+the others; None: none differed) are reported, over every rep.
+
+    python bench/spec_ab.py --json bench/results/spec_ab_h200.json            # GPU, bf16
+    python bench/spec_ab.py --device cpu --reps 1 --new-tokens 8 --prompt-len 64 --batches 1,2
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +48,16 @@ from bench.meta import run_meta  # noqa: E402
 from bench.quality import default_data, heldout_docs  # noqa: E402
 
 ROWS = [("plain", None, None), ("mtp", 2, None), ("eagle", 2, None), ("eagle", 3, None)]
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+PAGE = 64
 
 
 def make_runner(model, weights, args, batch: int, source: str, k: int | None) -> Runner:
-    p = 64
-    full = -(-4 * (args.prompt_len + args.new_tokens + 4 * p) * batch // p) * p
-    cache = model.cache_config(page_size=p, full_capacity=full, swa_capacity=full,
+    # room for every rep's prompts and outputs (plus speculative slack): no eviction, so no rep
+    # pays for another's leftovers (and at least the 4 reps' worth a chunk's window needs)
+    per_rep = (args.prompt_len + args.new_tokens + 4 * PAGE) * batch
+    full = -(-max(args.reps + 2, 4) * per_rep // PAGE) * PAGE
+    cache = model.cache_config(page_size=PAGE, full_capacity=full, swa_capacity=full,
                                speculative=k is not None)  # fmt: skip
     draft = EagleDraft(load_shipped_eagle(weights)) if source == "eagle" else None
     return Runner(model, cache, device=weights.device, dtype=weights.dtype, weights=weights,
@@ -50,90 +65,206 @@ def make_runner(model, weights, args, batch: int, source: str, k: int | None) ->
                   graph_decode=True)  # fmt: skip
 
 
+class CaptureCount:
+    """CUDA graphs captured in this process since it was made: every capture site of the
+    engine enters `torch.cuda.graph` (wrapped here, once per process)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        enter = torch.cuda.graph.__enter__
+
+        def counted(ctx: torch.cuda.graph) -> None:
+            self.count += 1
+            enter(ctx)
+
+        setattr(torch.cuda.graph, "__enter__", counted)  # noqa: B010 - mypy: method assign
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def timed(runner: Runner, prompts, new_tokens: int) -> tuple[float, int, int, list]:
-    """One pass: prefill, then decode to completion timed; (seconds, steps, tokens, outputs)."""
+@dataclass(frozen=True)
+class Pass:
+    """One timed pass: decode wall seconds, decode steps, decode tokens, the outputs (in prompt
+    order), prompt tokens served from the prefix cache, CUDA graphs captured while timed."""
+
+    wall_s: float
+    steps: int
+    tokens: int
+    outputs: list[list[int]]
+    hit_tokens: int
+    captures: int
+
+
+def timed(runner: Runner, prompts: list[list[int]], new_tokens: int, graphs: CaptureCount) -> Pass:
+    """Prefill and the first decode step untimed, then decode to completion timed."""
+    st = runner.stats
+    prefill0, decode0 = st.prefill_tokens, st.decode_tokens
     ids = [runner.submit(p, SamplingParams(max_new_tokens=new_tokens)) for p in prompts]
-    while runner.num_prefilling or runner.stats.decode_tokens == 0:
-        runner.step()
-    before, steps, done = runner.stats.decode_tokens, 0, []
+    done = []  # a request may finish before the timed loop (short outputs, speculation)
+    while runner.num_prefilling or st.decode_tokens == decode0:
+        done += runner.step()
+    before, steps = st.decode_tokens, 0
     sync(runner.device)
-    t0 = time.perf_counter()
+    captures0, t0 = graphs.count, time.perf_counter()
     while runner.num_pending:
         done += runner.step()
         steps += 1
     sync(runner.device)
     wall = time.perf_counter() - t0
     by_id = {r.request_id: r.output for r in done}
-    return wall, steps, runner.stats.decode_tokens - before, [by_id[i] for i in ids]
+    hits = sum(len(p) for p in prompts) - (st.prefill_tokens - prefill0)
+    return Pass(wall, steps, st.decode_tokens - before, [by_id[i] for i in ids], hits,
+                graphs.count - captures0)  # fmt: skip
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", default="1,8")
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where ``a`` and ``b`` differ (a length difference counts at the
+    shorter's end); None where they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@dataclass
+class Agreement:
+    """How a variant's outputs compare with plain decoding's, request by request."""
+
+    requests: int = 0
+    first_diffs: list[int] = field(default_factory=list)  # one per differing request
+
+    def add(self, outputs: list[list[int]], plain: list[list[int]]) -> int:
+        """Counts one pass; returns how many of its requests differ from plain's."""
+        diffs = [first_difference(o, p) for o, p in zip(outputs, plain, strict=True)]
+        self.requests += len(diffs)
+        self.first_diffs += [d for d in diffs if d is not None]
+        return sum(d is not None for d in diffs)
+
+    @property
+    def equal_share(self) -> float:
+        return 1.0 - len(self.first_diffs) / self.requests if self.requests else 1.0
+
+    @property
+    def mean_first_diff(self) -> float | None:
+        return statistics.mean(self.first_diffs) if self.first_diffs else None
+
+
+@dataclass
+class Variant:
+    name: str
+    runner: Runner
+    device_drafts: bool | None
+    passes: list[Pass] = field(default_factory=list)  # timed reps only
+    agreement: Agreement = field(default_factory=Agreement)
+
+
+def make_variants(model, weights, args, batch: int) -> list[Variant]:
+    variants = []
+    for source, k, _ in ROWS:
+        if k is None:
+            variants.append(Variant("plain", make_runner(model, weights, args, batch, source, k),
+                                    None))  # fmt: skip
+            continue
+        for on in (False, True):
+            r = make_runner(model, weights, args, batch, source, k)
+            assert r.spec is not None
+            r.spec.device_drafts = on
+            variants.append(Variant(f"{source} k={k} {'new' if on else 'old'}", r, on))
+    return variants
+
+
+def run_batch(model, weights, args, batch: int, exact: bool, graphs: CaptureCount):
+    """Every variant over rep 0 (warm-up) and ``args.reps`` timed reps, each rep on its own
+    prompts. Returns the variants, or the failure message of an exact-dtype difference."""
+    docs = heldout_docs(default_data(), batch * (args.reps + 1), args.prompt_len)
+    prompts = [[BOS, *d] for d in docs]
+    variants = make_variants(model, weights, args, batch)
+    for rep in range(args.reps + 1):
+        rep_prompts = prompts[rep * batch : (rep + 1) * batch]
+        plain: list[list[int]] = []
+        for v in variants:  # plain first: the reference of this rep
+            p = timed(v.runner, rep_prompts, args.new_tokens, graphs)
+            if v.device_drafts is None:
+                plain = p.outputs
+            elif v.agreement.add(p.outputs, plain) and exact:
+                return f"FAIL: {v.name} batch {batch} rep {rep}: output differs from plain"
+            if rep:
+                v.passes.append(p)
+    return variants
+
+
+def row_of(batch: int, v: Variant, base: float | None) -> dict[str, Any]:
+    ms_step = [1e3 * p.wall_s / max(1, p.steps) for p in v.passes]
+    ms_tok = [1e3 * p.wall_s / max(1, p.tokens) for p in v.passes]
+    row: dict[str, Any] = dict(batch=batch, name=v.name, device_drafts=v.device_drafts,
+               ms_per_step=statistics.median(ms_step),
+               ms_per_step_all=[round(x, 4) for x in ms_step],
+               tokens_per_step=statistics.median(p.tokens / max(1, p.steps) for p in v.passes),
+               ms_per_token=statistics.median(ms_tok),
+               prefix_hit_tokens=sum(p.hit_tokens for p in v.passes),
+               timed_captures=sum(p.captures for p in v.passes))  # fmt: skip
+    if v.runner.spec is not None:
+        st = v.runner.spec.stats
+        row["device_step_share"] = st.device_steps / max(1, st.forwards)
+        row["acceptance_length"] = st.mean_acceptance_length
+        row["equal_share"] = v.agreement.equal_share
+        row["mean_first_diff"] = v.agreement.mean_first_diff
+    row["speedup"] = (base or row["ms_per_token"]) / row["ms_per_token"]
+    return row
+
+
+def line_of(row: dict[str, Any]) -> str:
+    text = (f"batch {row['batch']:2d}  {row['name']:16s} {row['ms_per_step']:7.3f} ms/step  "
+            f"{row['tokens_per_step']:5.2f} tok/step  {row['ms_per_token']:7.3f} ms/tok  "
+            f"{row['speedup']:5.2f}x  device {row.get('device_step_share', 0):.2f}")  # fmt: skip
+    if "equal_share" in row:
+        text += f"  equal {row['equal_share']:.2f}"
+        if row["mean_first_diff"] is not None:
+            text += f" (first diff at {row['mean_first_diff']:.1f})"
+    if row["timed_captures"]:
+        text += f"  [{row['timed_captures']} graphs captured while timed]"
+    if row["prefix_hit_tokens"]:
+        text += f"  [{row['prefix_hit_tokens']} prefix-hit tokens]"
+    return text
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, else "
+                    "float32; float32 / float64 require outputs equal to plain")  # fmt: skip
     ap.add_argument("--json")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    exact = args.dtype != "bfloat16"
     model = preset("tiny-trained")
-    weights = load_shipped(model, device, dtype)
+    weights = load_shipped(model, device, DTYPES[args.dtype])
+    graphs = CaptureCount()
     out: dict = dict(meta=run_meta(), args=vars(args), rows=[])
     for batch in [int(b) for b in args.batches.split(",")]:
-        prompts = [[BOS, *d] for d in heldout_docs(default_data(), batch, args.prompt_len)]
-        variants: list[tuple[str, Runner, bool | None]] = []  # (name, runner, device_drafts)
-        for source, k, _ in ROWS:
-            if k is None:
-                variants.append(
-                    ("plain", make_runner(model, weights, args, batch, source, k), None)
-                )
-                continue
-            for on in (False, True):
-                r = make_runner(model, weights, args, batch, source, k)
-                assert r.spec is not None
-                r.spec.device_drafts = on
-                variants.append((f"{source} k={k} {'new' if on else 'old'}", r, on))
-        samples: dict[str, list[tuple[float, int, int]]] = {n: [] for n, _, _ in variants}
-        plain_out = None
-        for rep in range(args.reps + 1):  # rep 0 warms (captures graphs), not recorded
-            for name, r, _ in variants:
-                wall, steps, tokens, outs = timed(r, prompts, args.new_tokens)
-                if plain_out is None:
-                    plain_out = outs
-                elif outs != plain_out:
-                    print(f"FAIL: {name} batch {batch}: output differs from plain decoding")
-                    return 1
-                if rep:
-                    samples[name].append((wall, steps, tokens))
+        variants = run_batch(model, weights, args, batch, exact, graphs)
+        if isinstance(variants, str):
+            print(variants)
+            return 1
         base = None
-        for name, r, flag in variants:
-            ms_step = [1e3 * w / max(1, s) for w, s, _ in samples[name]]
-            ms_tok = [1e3 * w / max(1, t) for w, _, t in samples[name]]
-            row: dict[str, Any] = dict(batch=batch, name=name, device_drafts=flag,
-                       ms_per_step=statistics.median(ms_step),
-                       ms_per_step_all=[round(x, 4) for x in ms_step],
-                       tokens_per_step=statistics.median(t / max(1, s) for _, s, t in
-                                                         samples[name]),
-                       ms_per_token=statistics.median(ms_tok))  # fmt: skip
-            if r.spec is not None:
-                st = r.spec.stats
-                row["device_step_share"] = st.device_steps / max(1, st.forwards)
-                row["acceptance_length"] = st.mean_acceptance_length
-            base = row["ms_per_token"] if name == "plain" else base
-            row["speedup"] = base / row["ms_per_token"]
+        for v in variants:
+            row = row_of(batch, v, base)
+            base = row["ms_per_token"] if v.device_drafts is None else base
             out["rows"].append(row)
-            print(f"batch {batch:2d}  {name:16s} {row['ms_per_step']:7.3f} ms/step  "
-                  f"{row['tokens_per_step']:5.2f} tok/step  {row['ms_per_token']:7.3f} ms/tok  "
-                  f"{row['speedup']:5.2f}x  device {row.get('device_step_share', 0):.2f}",
-                  flush=True)  # fmt: skip
-    print("outputs equal to plain decoding: yes")
+            print(line_of(row), flush=True)
+    print("outputs equal to plain decoding: " + ("yes" if exact else "see equal_share (bf16)"))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
