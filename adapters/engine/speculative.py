@@ -122,6 +122,17 @@ class Proposal:
     probs: torch.Tensor | None
     device: torch.Tensor | None = None
 
+    def rows_for(self, seqs: Sequence[_Seq], rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (one per proposed request, in ``self.seqs`` order) cut to ``seqs``: the
+        proposed requests that the extend did not preempt, in their order. ``rows`` itself
+        where that is all of them in order (no copy); otherwise a gather on ``rows``' device.
+        Raises `KeyError` for a request the proposal does not hold."""
+        if len(seqs) == len(self.seqs) and all(a is b for a, b in zip(seqs, self.seqs)):
+            return rows
+        index = {id(s): i for i, s in enumerate(self.seqs)}
+        keep = torch.tensor([index[id(s)] for s in seqs], dtype=torch.long)
+        return rows[keep.to(rows.device)]
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -234,14 +245,7 @@ class SpeculativeDecoder:
         """The device drafts of ``batch``'s requests (the proposal's that the extend did not
         preempt), or None on the host path."""
         dev = proposal.device
-        same = len(batch.seqs) == len(proposal.seqs) and all(
-            a is b for a, b in zip(batch.seqs, proposal.seqs)
-        )
-        if dev is None or same:
-            return dev
-        row = {id(s): i for i, s in enumerate(proposal.seqs)}
-        keep = torch.tensor([row[id(s)] for s in batch.seqs], dtype=torch.long)
-        return dev[keep.to(dev.device)]
+        return None if dev is None else proposal.rows_for(batch.seqs, dev)
 
     def _check_probs(self, probs: object, batch: int) -> None:
         shape = (batch, self.num_tokens, self._vocab)
@@ -289,13 +293,11 @@ class SpeculativeDecoder:
 
     def _host_accept(self, batch: ScheduledBatch, rows: torch.Tensor, proposal: Proposal):
         """The host path's acceptance: the chunks hold the drafts' values."""
-        seqs = batch.seqs
         probs = proposal.probs
         if probs is not None:  # the extend may have preempted some of the proposal's requests
-            row = {id(s): i for i, s in enumerate(proposal.seqs)}
-            probs = probs[torch.tensor([row[id(s)] for s in seqs], dtype=torch.long)]
+            probs = proposal.rows_for(batch.seqs, probs)
         drafts = [c[1:] for c in batch.chunks]
-        return self._accept(list(seqs), drafts, rows, probs)
+        return self._accept(list(batch.seqs), drafts, rows, probs)
 
     def settle(
         self, cache: ShadowRadixCache, batch: ScheduledBatch, verdict: Verdict
