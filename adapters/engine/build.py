@@ -13,6 +13,7 @@ import torch
 from adapters.engine.drafts import DraftContext, DraftSource, MTPDraft
 from adapters.engine.forward import Forward
 from adapters.engine.model_runner import ModelRunner
+from adapters.engine.modes import Mode, Modes
 from adapters.engine.speculative import SpeculativeDecoder
 from adapters.forward.graph_decode import GraphDecoder
 from adapters.forward.graph_verify import GraphVerifier
@@ -98,6 +99,24 @@ def check_hisparse(model: ModelConfig, hisparse_pages: int | None) -> None:
         )
 
 
+def check_multi_stream(multi_stream: object, modes: Modes) -> bool:
+    """``multi_stream`` (the graph decoder's compressor and indexer on a side stream), validated:
+    `TypeError` unless a bool, `ValueError` when on without the graph decoder (paged decode
+    and graph verify steps run on one stream)."""
+    if not isinstance(multi_stream, bool):
+        raise TypeError(f"multi_stream must be a bool, got {multi_stream!r}")
+    if multi_stream and Mode.GRAPH_DECODE not in modes:
+        raise ValueError(
+            "multi_stream needs graph_decode: the paged decode path runs on one stream"
+        )
+    if multi_stream and Mode.SPECULATION in modes:
+        raise ValueError(
+            "multi_stream is not supported with speculative decoding: its decode steps run "
+            "through the graph verifier, on one stream"
+        )
+    return multi_stream
+
+
 def make_offload(
     cache: ShadowRadixCache,
     model: ModelConfig,
@@ -116,11 +135,17 @@ def make_offload(
 
 
 def make_model_runner(
-    paged: Forward, graph: bool, speculative: bool, max_batch: int, spec_tokens: int
+    paged: Forward,
+    graph: bool,
+    speculative: bool,
+    max_batch: int,
+    spec_tokens: int,
+    multi_stream: bool = False,
 ) -> ModelRunner:
     """The model runner over ``paged``, with the graph decoder (``graph``, plain decode; with
-    HiSparse its C4 KV through `GraphResidency`) or the graph verifier (``graph`` and
-    ``speculative``: verify steps of ``spec_tokens + 1``; not with HiSparse, `modes`)."""
+    HiSparse its C4 KV through `GraphResidency`; ``multi_stream``: its attention prep on a
+    side stream) or the graph verifier (``graph`` and ``speculative``: verify steps of
+    ``spec_tokens + 1``; not with HiSparse, `modes`)."""
     weights, pools, cc = paged.weights, paged.pools, paged.cache.config
     decoder = verifier = None
     if graph and not speculative:
@@ -129,7 +154,7 @@ def make_model_runner(
             hisparse = GraphResidency(paged.offload, weights.config, max_batch)
         decoder = GraphDecoder(
             weights, pools, cc, max_batch, cc.full_capacity, engram=paged.engram,
-            hisparse=hisparse,
+            hisparse=hisparse, multi_stream=multi_stream,
         )  # fmt: skip
     elif graph:
         verifier = GraphVerifier(

@@ -26,6 +26,7 @@ from adapters.engine.batch import BatchKind
 from adapters.engine.build import (
     check_chunk,
     check_hisparse,
+    check_multi_stream,
     check_speculation,
     check_tail_only,
     make_model_runner,
@@ -86,7 +87,8 @@ class Runner:
     ``schedule``: the admission order after priority, `SchedulePolicy.LPM` (longest cached
     prefix first) or `SchedulePolicy.FCFS`. ``overlap``: the host schedules decode step N+1
     while the device runs step N (`OverlapDecode`; default with CUDA graphs; needs the graph
-    decoder). ``index_format`` / ``swa_format``: cache formats (docs/formats.md).
+    decoder). ``index_format`` / ``swa_format``: cache formats (docs/formats.md). ``multi_stream``:
+    graph decode runs compressor and indexer on a side stream (docs/runner.md; a bool).
     ``on_logits`` (attribute): called with the results and logits rows of every sampling step.
 
     Raises `UnsupportedModeError` (a `ConfigError`) for modes that cannot run together
@@ -114,6 +116,7 @@ class Runner:
         swa_format: CacheFormat = CacheFormat.BF16,
         schedule: SchedulePolicy = SchedulePolicy.LPM,
         overlap: bool | None = None,
+        multi_stream: bool = False,
     ) -> None:
         self.device = resolve_device(device)
         self.modes = check_modes(Modes.of(  # every combination, before anything is allocated
@@ -121,6 +124,7 @@ class Runner:
             graph_decode=graph_decode, hisparse_pages=hisparse_pages, tail_only=tail_only,
             speculative_tokens=speculative_tokens, draft=draft, memory_budget=memory_budget,
             index_format=index_format, swa_format=swa_format, schedule=schedule))  # fmt: skip
+        multi_stream = check_multi_stream(multi_stream, self.modes)
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         check_chunk(cache_config, chunk_tokens, max_running)
         self.model, self.tail_only = model, check_tail_only(model, tail_only)
@@ -146,7 +150,7 @@ class Runner:
             device=self.device, tail_only=tail_only, mtp=mtp,
         )  # fmt: skip
         self.model_runner = make_model_runner(
-            paged, graph_decode, draft is not None, max_running, self.spec_tokens
+            paged, graph_decode, draft is not None, max_running, self.spec_tokens, multi_stream
         )
         self.spec = make_speculation(self.model_runner, draft, max_running, self.spec_tokens)
         self.memory = prefill_budget(model, dtype, self.device, memory_budget)

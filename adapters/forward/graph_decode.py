@@ -15,6 +15,7 @@ since the last step); a request new to its row is written whole, once.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
@@ -24,6 +25,7 @@ import torch
 from adapters import kernels
 from adapters.forward.buckets import context_bucket, power_bucket
 from adapters.forward.graph_meta import StepMeta, StreamMeta, step_metadata
+from adapters.forward.side_stream import Pending, SideStream
 from adapters.kernels import PoolRows
 from adapters.memory.block_tables import DeviceTables
 from adapters.memory.device import upload
@@ -32,13 +34,15 @@ from adapters.memory.residency import GraphResidency
 from adapters.model import ops
 from adapters.model.candidates import Candidates, select_candidates
 from adapters.model.engram import EngramRows, EngramStep, decode_ngrams, pad_token, step_of
-from adapters.model.model import LayerInput, compress_rows, forward
+from adapters.model.model import LayerInput, LayerPrep, compress_rows, forward
 from adapters.model.weights import ModelWeights
 from shadowradix import CacheConfig, PageTableDelta
 from shadowradix.request import Request
 
 #: a decode step's input tokens: on the host, or on the device (overlap scheduling)
 Tokens = list[int] | torch.Tensor
+#: a sparse layer's top-k: compressed slots ``(N, k)`` and which of them are valid
+Selection = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecodeBuffers:
@@ -98,11 +102,12 @@ class GraphKeys:
 
     def __init__(
         self, weights: ModelWeights, pools: KVPools, meta: StepMeta,
-        hisparse: GraphResidency | None = None,
+        hisparse: GraphResidency | None = None, side: SideStream | None = None,
     ) -> None:  # fmt: skip
         self.cfg, self.pools, self.meta = weights.config, pools, meta
-        self.hisparse = hisparse
-        self.selection: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.hisparse, self.side = hisparse, side
+        self._pending: dict[int, Pending[Selection | None]] = {}
+        self.selection: dict[int, Selection] = {}
         self.candidates: Candidates | None = None
 
     def attend(self, layer: LayerInput) -> torch.Tensor:
@@ -113,23 +118,8 @@ class GraphKeys:
         last = cfg.last_kv_source
         if m.late_window_mask is not None and last is not None and i > last:
             mask = m.late_window_mask
-        ratio = layer.weights.ratio
-        if ratio:
-            sm, source = m.streams[ratio], cfg.kv_source_of(i)
-            hs = self.hisparse
-            hs = hs if hs is not None and hs.holds(source) else None
-            if source == i:
-                comp = layer.weights.compressor
-                assert comp is not None
-                kv_pool = None if hs is not None else self.pools.compressed[i]
-                self._compress(layer, comp, sm, self.pools.ring[i], kv_pool)
-            if hs is not None:  # HiSparse C4: sparse, read from its buffer or host mirror
-                pool, extra = hs.gather(i, source, *self._select(layer, sm))
-            elif cfg.is_sparse(ratio):
-                slots, vis = self._select(layer, sm)
-                extra, pool = PoolRows(slots, vis.sum(-1)), self.pools.compressed[source]
-            else:
-                extra, pool = sm.rows(self._qrow()), self.pools.compressed[source]
+        if layer.weights.ratio:
+            pool, extra = self._read(layer, self._selection(layer))
         return kernels.sparse_attention(
             layer.q,
             swa,
@@ -141,6 +131,46 @@ class GraphKeys:
             extra,
             window_scale=self.pools.scale_of(swa),
         )
+
+    def prepare(self, layer: LayerPrep) -> None:
+        """Multi-stream (``side``): a compressed layer's compressor and indexer, started on the
+        side stream before its q / kv projections; `attend` joins them. Else a no-op."""
+        if self.side is not None and layer.weights.ratio:
+            work = functools.partial(self._prepare_now, layer)
+            self._pending[layer.index] = self.side.fork(work, layer)
+
+    def _selection(self, layer: LayerInput) -> Selection | None:
+        pending = self._pending.pop(layer.index, None)  # none: not prepared (e.g. TP's keys)
+        return self._prepare_now(layer) if pending is None else pending.join()
+
+    def _prepare_now(self, layer: LayerPrep | LayerInput) -> Selection | None:
+        """What a compressed layer computes without its q / kv: its compressor's entries (KV
+        source), and its top-k (sparse or HiSparse; None for a dense compressed layer)."""
+        cfg, i, ratio = self.cfg, layer.index, layer.weights.ratio
+        sm, source = self.meta.streams[ratio], cfg.kv_source_of(i)
+        hs = self._hisparse_of(source)
+        if source == i:
+            comp = layer.weights.compressor
+            assert comp is not None
+            kv_pool = None if hs is not None else self.pools.compressed[i]
+            self._compress(layer, comp, sm, self.pools.ring[i], kv_pool)
+        return self._select(layer, sm) if hs is not None or cfg.is_sparse(ratio) else None
+
+    def _read(self, layer: LayerInput, sel: Selection | None) -> tuple[torch.Tensor, PoolRows]:
+        """The compressed pool and rows the layer's queries read (``sel``: its top-k)."""
+        i, source = layer.index, self.cfg.kv_source_of(layer.index)
+        hs = self._hisparse_of(source)
+        if hs is not None:  # HiSparse C4: sparse, read from its buffer or host mirror
+            assert sel is not None
+            return hs.gather(i, source, *sel)
+        if sel is not None:
+            return self.pools.compressed[source], PoolRows(sel[0], sel[1].sum(-1))
+        sm = self.meta.streams[layer.weights.ratio]
+        return self.pools.compressed[source], sm.rows(self._qrow())
+
+    def _hisparse_of(self, source: int) -> GraphResidency | None:
+        hs = self.hisparse
+        return hs if hs is not None and hs.holds(source) else None
 
     def _compress(self, layer, comp, sm: StreamMeta, ring, pool) -> None:
         rows = ops.compressor_rows(layer.x, comp, layer.positions).to(ring.dtype)  # (B, F)
@@ -182,7 +212,7 @@ class GraphKeys:
         )  # fmt: skip
         self._store(layer.index, pool, sm.entry_slot, ent)
 
-    def _select(self, layer: LayerInput, sm: StreamMeta):
+    def _select(self, layer: LayerPrep | LayerInput, sm: StreamMeta) -> Selection:
         cfg, i = self.cfg, layer.index
         if not cfg.runs_indexer(i):
             return self.selection[cfg.index_source_of(i)]
@@ -291,7 +321,8 @@ class CudaGraphs:
 class GraphDecoder:
     """Decode steps from raw batch state; on CUDA each (batch, context) bucket is captured once
     as a CUDA graph (`CudaGraphs`, held) and replayed. On the CPU the same code runs eagerly
-    (tested in CI)."""
+    (tested in CI). ``multi_stream``: compressed layers' compressor and indexer on a side
+    stream, concurrent with the q / kv projections (`GraphKeys.prepare`; inline on the CPU)."""
 
     def __init__(
         self,
@@ -304,10 +335,11 @@ class GraphDecoder:
         min_context_bucket: int = 1024,
         engram: EngramRows | None = None,
         hisparse: GraphResidency | None = None,
+        multi_stream: bool = False,
     ) -> None:
         self.weights, self.pools, self.cache = weights, pools, cache
         #: HiSparse: the C4 KV in its host mirror and device buffer (`GraphResidency`)
-        self.hisparse = hisparse
+        self.hisparse, self.side = hisparse, SideStream(weights.device) if multi_stream else None
         self.buffers = DecodeBuffers(cache, max_batch, max_context, weights.device)
         self.use_graphs = weights.device.type == "cuda" if use_graphs is None else use_graphs
         self.min_context_bucket = min_context_bucket
@@ -320,7 +352,7 @@ class GraphDecoder:
     def _run(self, batch: int, context: int) -> torch.Tensor:
         meta = step_metadata(self.cache, self.pools, self.buffers, batch, context)
         meta = _with_late_mask(meta, self.pools)
-        keys = GraphKeys(self.weights, self.pools, meta, self.hisparse)
+        keys = GraphKeys(self.weights, self.pools, meta, self.hisparse, self.side)
         cfg, mem = self.weights.config, self.engram_memory
         engram = None if mem is None else EngramStep(cfg.engram_layers, mem[:, :batch])
         tokens = self.buffers.tokens[:batch]

@@ -33,6 +33,17 @@ class LayerInput:
     positions: torch.Tensor  # (N,)
 
 
+@dataclass(frozen=True)
+class LayerPrep:
+    """What one layer's attention prep reads before its q / kv projections exist: the
+    compressor and indexer read only the normed input and the positions."""
+
+    index: int
+    weights: LayerWeights
+    x: torch.Tensor  # (N, D) normed sub-block input
+    positions: torch.Tensor  # (N,)
+
+
 K = TypeVar("K")
 
 
@@ -40,6 +51,14 @@ class KeySource(Protocol):
     def attend(self, layer: LayerInput) -> torch.Tensor:
         """Attention output ``(N, H, d)`` of ``layer.q`` over its window, its compressed
         entries and the sink; stores whatever later steps need."""
+        ...
+
+
+class PreparedKeys(KeySource, Protocol):
+    def prepare(self, layer: LayerPrep) -> None:
+        """Starts the layer's q/kv-independent work (compressor writes, indexer selection)
+        before its q / kv projections run, e.g. on a side stream; `attend` of the same layer
+        waits for it. Optional: `layer_forward` calls it only where a key source has it."""
         ...
 
 
@@ -77,6 +96,9 @@ def layer_forward(
         streams = _engram(cfg, index, lw, streams, memory)
     x, post, res = ops.hc_mix(streams, lw.hc_attn, cfg.sinkhorn_iters, cfg.norm_eps)
     xn = ops.rms_norm(x, lw.attn_norm, cfg.norm_eps)
+    prepare = getattr(keys, "prepare", None)  # `PreparedKeys`: before the q / kv projections
+    if prepare is not None:
+        prepare(LayerPrep(index, lw, xn, positions))
     q = (xn @ lw.w_q).view(n, -1, cfg.head_dim)
     # q, kv and attn are fresh tensors: each is rotated in place
     q = ops.rope(q, positions, cfg.rope_dim, cfg.rope_theta, inplace=True)
