@@ -1,13 +1,14 @@
 """A/B of the speculative step's host path against the device-draft path, in one process.
 
-Interleaved over ``--reps`` repetitions (after a warm-up rep 0 that captures the CUDA graphs
-and is not timed): plain greedy decode, MTP k=2, EAGLE k=2 and k=3, each speculative row with
-``device_drafts`` off (old: drafts read back before verify, two host reads) and on (new:
-drafts stay on the device, one host read), at every ``--batches`` size. Every variant keeps
-one runner (its graphs stay captured); each rep decodes its own prompts, so no rep starts on
-a prefix cached by an earlier one (``prefix_hit_tokens``, expected 0), and the cache holds
-every rep without evicting. ``timed_captures``: CUDA graphs captured inside the timed decode
-loops (expected 0: a bucket rep 0 never reached).
+Interleaved over ``--reps`` repetitions (after a warm-up rep 0, not timed, that captures the
+CUDA graphs of every batch bucket up to the batch): plain greedy decode, MTP k=2, EAGLE k=2
+and k=3, each speculative row with ``device_drafts`` off (old: drafts read back before verify,
+two host reads) and on (new: drafts stay on the device, one host read), at every ``--batches``
+size. Every variant keeps one runner (its graphs stay captured); each rep decodes its own
+prompts, so no rep starts on a prefix cached by an earlier one (``prefix_hit_tokens``,
+expected 0), and the cache holds every rep without evicting. ``timed_captures``: CUDA graphs
+captured inside the timed decode loops (expected 0; else a bucket the warm-up missed).
+``device_step_share`` and ``acceptance_length`` count the timed reps only.
 
 Per row: median wall ms per decode step, tokens per step, ms per token, speed-up over plain
 (median ms/token), the share of verify steps that took the device path, and the agreement of
@@ -28,7 +29,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from adapters.engine.eagle_draft import EagleDraft  # noqa: E402
 from adapters.engine.runner import Runner  # noqa: E402
 from adapters.engine.sampling import SamplingParams  # noqa: E402
+from adapters.engine.speculative import SpecStats  # noqa: E402
 from adapters.model.eagle import load_shipped_eagle  # noqa: E402
 from adapters.model.model_config import preset  # noqa: E402
 from adapters.model.tokenizer import BOS  # noqa: E402
@@ -159,6 +161,27 @@ class Variant:
     device_drafts: bool | None
     passes: list[Pass] = field(default_factory=list)  # timed reps only
     agreement: Agreement = field(default_factory=Agreement)
+    warm_stats: SpecStats | None = None  # the speculative counters after the warm-up
+
+    def warm_up(self, prompts: list[list[int]], new_tokens: int, graphs: CaptureCount) -> None:
+        """Rep 0's extra passes, one per smaller power-of-two batch bucket on a prefix of its
+        prompts: the graphs a shrinking batch replays (requests finishing at different steps)
+        are captured before any timed rep. Then snapshots the speculative counters."""
+        n = len(prompts)
+        for size in [1 << i for i in range(n.bit_length()) if 1 << i < n]:
+            timed(self.runner, prompts[:size], new_tokens, graphs)
+        if self.runner.spec is not None:
+            self.warm_stats = replace(self.runner.spec.stats)
+
+    def timed_stats(self) -> tuple[float, float]:
+        """Over the timed reps: (share of verify steps on the device path, tokens emitted per
+        request-step)."""
+        assert self.runner.spec is not None and self.warm_stats is not None
+        end, warm = self.runner.spec.stats, self.warm_stats
+        forwards = end.forwards - warm.forwards
+        request_steps = end.request_steps - warm.request_steps
+        return ((end.device_steps - warm.device_steps) / max(1, forwards),
+                (end.emitted_tokens - warm.emitted_tokens) / max(1, request_steps))  # fmt: skip
 
 
 def make_variants(model, weights, args, batch: int) -> list[Variant]:
@@ -176,9 +199,14 @@ def make_variants(model, weights, args, batch: int) -> list[Variant]:
     return variants
 
 
+class OutputMismatch(Exception):
+    """A speculative variant's greedy output differs from plain decoding's in an exact dtype."""
+
+
 def run_batch(model, weights, args, batch: int, exact: bool, graphs: CaptureCount):
-    """Every variant over rep 0 (warm-up) and ``args.reps`` timed reps, each rep on its own
-    prompts. Returns the variants, or the failure message of an exact-dtype difference."""
+    """Every variant over rep 0 (warm-up: `Variant.warm_up`) and ``args.reps`` timed reps,
+    each rep on its own prompts; returns the variants. Raises `OutputMismatch` where ``exact``
+    and an output differs from plain's."""
     docs = heldout_docs(default_data(), batch * (args.reps + 1), args.prompt_len)
     prompts = [[BOS, *d] for d in docs]
     variants = make_variants(model, weights, args, batch)
@@ -190,9 +218,11 @@ def run_batch(model, weights, args, batch: int, exact: bool, graphs: CaptureCoun
             if v.device_drafts is None:
                 plain = p.outputs
             elif v.agreement.add(p.outputs, plain) and exact:
-                return f"FAIL: {v.name} batch {batch} rep {rep}: output differs from plain"
+                raise OutputMismatch(f"{v.name} batch {batch} rep {rep}: output differs from plain")
             if rep:
                 v.passes.append(p)
+            else:
+                v.warm_up(rep_prompts, args.new_tokens, graphs)
     return variants
 
 
@@ -203,13 +233,12 @@ def row_of(batch: int, v: Variant, base: float | None) -> dict[str, Any]:
                ms_per_step=statistics.median(ms_step),
                ms_per_step_all=[round(x, 4) for x in ms_step],
                tokens_per_step=statistics.median(p.tokens / max(1, p.steps) for p in v.passes),
+               tokens_per_step_all=[round(p.tokens / max(1, p.steps), 3) for p in v.passes],
                ms_per_token=statistics.median(ms_tok),
                prefix_hit_tokens=sum(p.hit_tokens for p in v.passes),
                timed_captures=sum(p.captures for p in v.passes))  # fmt: skip
     if v.runner.spec is not None:
-        st = v.runner.spec.stats
-        row["device_step_share"] = st.device_steps / max(1, st.forwards)
-        row["acceptance_length"] = st.mean_acceptance_length
+        row["device_step_share"], row["acceptance_length"] = v.timed_stats()
         row["equal_share"] = v.agreement.equal_share
         row["mean_first_diff"] = v.agreement.mean_first_diff
     row["speedup"] = (base or row["ms_per_token"]) / row["ms_per_token"]
@@ -254,9 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     graphs = CaptureCount()
     out: dict = dict(meta=run_meta(), args=vars(args), rows=[])
     for batch in [int(b) for b in args.batches.split(",")]:
-        variants = run_batch(model, weights, args, batch, exact, graphs)
-        if isinstance(variants, str):
-            print(variants)
+        try:
+            variants = run_batch(model, weights, args, batch, exact, graphs)
+        except OutputMismatch as e:
+            print(f"FAIL: {e}")
             return 1
         base = None
         for v in variants:
