@@ -241,7 +241,7 @@ def workloads(draw: st.DrawFn) -> tuple[CacheConfig, list[Req], dict[str, int], 
 
 
 @given(workloads())
-@settings(settings.default, max_examples=max(10, settings.default.max_examples // 5))
+@settings(settings.default, max_examples=max(8, settings.default.max_examples // 10))
 def test_scheduler_loop(workload: tuple[CacheConfig, list[Req], dict[str, int], int]) -> None:
     config, reqs, max_new, budget = workload
     tree = ShadowRadixSGLangCache(config)
