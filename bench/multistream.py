@@ -6,6 +6,7 @@ projections: docs/runner.md, "Multi-stream attention prep"). Overlap scheduling 
 decode step's wall time is its host work plus its graph. Interleaved over ``--reps`` timed
 repetitions after a warm-up rep 0 (captures the graphs, not timed); each rep decodes its own
 random prompts (``--prompt-len``), ``--steps`` timed decode steps after the first.
+``--hisparse-pages``: both arms with HiSparse's C4 KV in the graph (`GraphResidency`).
 
 Per (batch, arm): median wall ms per decode step, median device ms of the graph replay (CUDA
 events around `CudaGraphs.replay`), and the multi-stream / single-stream ratios of both. Greedy
@@ -76,7 +77,7 @@ def make_arm(model, weights, args, batch: int, multi_stream: bool) -> Arm:
     cache = model.cache_config(page_size=PAGE, full_capacity=full, swa_capacity=full)
     runner = Runner(model, cache, device=weights.device, dtype=weights.dtype, weights=weights,
                     chunk_tokens=1024, max_running=batch, graph_decode=True, overlap=False,
-                    multi_stream=multi_stream)  # fmt: skip
+                    multi_stream=multi_stream, hisparse_pages=args.hisparse_pages)  # fmt: skip
     arm = Arm(multi_stream, runner)
     decoder = runner.decoder
     assert decoder is not None
@@ -184,6 +185,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 on CUDA, else "
                     "float32; float32 / float64 require equal outputs")  # fmt: skip
+    ap.add_argument("--hisparse-pages", type=int, help="HiSparse in the graph: a device "
+                    "buffer of this many pages per C4 layer (default: all resident)")  # fmt: skip
     ap.add_argument("--json")
     return ap.parse_args(argv)
 
