@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from adapters.distributed.engram_shard import EngramPlacementError, place_engram
+from adapters.engine.modes import UnsupportedModeError
 from adapters.engine.runner import Runner
 from adapters.engine.sampling import SamplingParams
 from adapters.memory.engram_table import DeviceRows, HostRows, init_table
@@ -145,7 +146,7 @@ def test_baseline_is_the_reference() -> None:
 
 def test_speculation_and_sharded_without_group_are_refused() -> None:
     cc = CFG.cache_config(page_size=16, full_capacity=1024, swa_capacity=768, speculative=True)
-    with pytest.raises(EngramPlacementError, match="speculative"):
+    with pytest.raises(UnsupportedModeError, match="Engram memory layers with speculative"):
         Runner(CFG, cc, chunk_tokens=32, speculative_tokens=2, graph_decode=False)
     from adapters.engine import runner as runner_module
 
@@ -154,7 +155,7 @@ def test_speculation_and_sharded_without_group_are_refused() -> None:
 
     with pytest.MonkeyPatch.context() as mp:  # refused with the other modes, before any pool
         mp.setattr(runner_module, "pool_bytes", no_pools)
-        with pytest.raises(EngramPlacementError, match="speculative"):
+        with pytest.raises(UnsupportedModeError, match="speculative"):
             Runner(CFG, cc, chunk_tokens=32, speculative_tokens=2, graph_decode=False)
     with pytest.raises(EngramPlacementError, match="process group"):
         place_engram(replace(CFG, engram_placement=EngramPlacement.SHARDED), CPU, torch.float32)

@@ -125,6 +125,8 @@ def runner_kwargs(modes: frozenset[Mode]) -> dict[str, object]:
         kw["memory_budget"] = step_memory(model, torch.float64).peak(24, 48)
     if M.FCFS in modes:
         kw["schedule"] = SchedulePolicy.FCFS
+    if M.MULTI_STREAM in modes:
+        kw["multi_stream"] = True
     for mode, (name, fmt) in FORMATS.items():
         if mode in modes:
             kw[name] = fmt

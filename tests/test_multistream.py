@@ -15,6 +15,7 @@ import pytest
 import torch
 from small_models import SHORT, SHORT_SHARED, fp64_reference, fp64_weights, one_thread
 
+from adapters.engine.modes import UnsupportedModeError
 from adapters.engine.runner import Runner
 from adapters.engine.sampling import SamplingParams
 from adapters.forward.graph_decode import GraphKeys
@@ -136,13 +137,13 @@ def test_non_bool_multi_stream_refused(value: object) -> None:
 
 def test_multi_stream_needs_the_graph_decoder() -> None:
     cc = SHORT.cache_config(page_size=16, full_capacity=640, swa_capacity=192)
-    with pytest.raises(ValueError, match="multi_stream needs graph_decode"):
+    with pytest.raises(UnsupportedModeError, match="multi-stream attention prep needs graph dec"):
         Runner(SHORT, cc, device="cpu", dtype=torch.float64, weights=fp64_weights(SHORT),
                graph_decode=False, multi_stream=True)  # fmt: skip
 
 
 def test_multi_stream_refused_with_speculation() -> None:
     cc = SHORT.cache_config(page_size=16, full_capacity=640, swa_capacity=192, speculative=True)
-    with pytest.raises(ValueError, match="multi_stream is not supported with speculative"):
+    with pytest.raises(UnsupportedModeError, match="prep with speculative decoding is not sup"):
         Runner(SHORT, cc, device="cpu", dtype=torch.float64, weights=fp64_weights(SHORT),
                graph_decode=True, speculative_tokens=2, multi_stream=True)  # fmt: skip

@@ -61,15 +61,6 @@ class ShardedRows(EngramRows):
         return 0
 
 
-def check_engram_modes(cfg: ModelConfig, speculative: bool) -> None:
-    """Raises `EngramPlacementError` for speculative decoding with an Engram model: the verify
-    and draft paths (GraphVerifier, the MTP layer, EAGLE) do not wire the lookup yet."""
-    if cfg.engram_layers and speculative:
-        raise EngramPlacementError(
-            "speculative decoding with Engram layers is not supported (docs/engram.md)"
-        )
-
-
 def place_engram(
     cfg: ModelConfig, device: torch.device, dtype: torch.dtype, group=None
 ) -> EngramRows | None:

@@ -13,7 +13,6 @@ import torch
 from adapters.engine.drafts import DraftContext, DraftSource, MTPDraft
 from adapters.engine.forward import Forward
 from adapters.engine.model_runner import ModelRunner
-from adapters.engine.modes import Mode, Modes
 from adapters.engine.speculative import SpeculativeDecoder
 from adapters.forward.graph_decode import GraphDecoder
 from adapters.forward.graph_verify import GraphVerifier
@@ -99,21 +98,11 @@ def check_hisparse(model: ModelConfig, hisparse_pages: int | None) -> None:
         )
 
 
-def check_multi_stream(multi_stream: object, modes: Modes) -> bool:
-    """``multi_stream`` (the graph decoder's compressor and indexer on a side stream), validated:
-    `TypeError` unless a bool, `ValueError` when on without the graph decoder (paged decode
-    and graph verify steps run on one stream)."""
+def check_multi_stream(multi_stream: object) -> bool:
+    """``multi_stream`` (the graph decoder's compressor and indexer on a side stream),
+    validated: `TypeError` unless a bool (its combinations: `modes.check_modes`)."""
     if not isinstance(multi_stream, bool):
         raise TypeError(f"multi_stream must be a bool, got {multi_stream!r}")
-    if multi_stream and Mode.GRAPH_DECODE not in modes:
-        raise ValueError(
-            "multi_stream needs graph_decode: the paged decode path runs on one stream"
-        )
-    if multi_stream and Mode.SPECULATION in modes:
-        raise ValueError(
-            "multi_stream is not supported with speculative decoding: its decode steps run "
-            "through the graph verifier, on one stream"
-        )
     return multi_stream
 
 

@@ -16,6 +16,10 @@ A pair is one of::
 `tests/test_modes.py` builds a runner for every pair of the table that works and checks its
 property, and one for every refused pair and checks the error.
 
+A model's own features (`Feature`: ratio-2 compression, shared candidates, Engram layers) meet
+the modes in a second table, `FEATURE_REFUSED` (everything not listed works exactly);
+`tests/test_feature_modes.py` runs every feature with every mode whose code path it changes.
+
 `UnsupportedModeError` is a `ConfigError` (so a `ValueError`), not an `InvalidRequestError`:
 it is a property of the runner's configuration, found at construction before any pool is
 allocated, never of one request. `Runner.generate` turns `InvalidRequestError` into a
@@ -31,7 +35,6 @@ from dataclasses import dataclass
 
 import torch
 
-from adapters.distributed.engram_shard import check_engram_modes
 from adapters.engine.drafts import DraftSource
 from adapters.engine.waiting import SchedulePolicy
 from adapters.memory.formats import CacheFormat
@@ -57,6 +60,24 @@ class Mode(enum.Enum):
     MEMORY_BUDGET = "a memory budget"
     FCFS = "FCFS admission"
     SHARING = "V4.1 cross-layer sharing"
+    MULTI_STREAM = "multi-stream attention prep"
+
+
+class Feature(enum.Enum):
+    """A property of the model that the runner's modes must carry (issue #17's V4.1 parts)."""
+
+    C2 = "ratio-2 compression"
+    CANDIDATES = "two-level shared candidates"
+    ENGRAM = "Engram memory layers"
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> frozenset[Feature]:
+        on = {
+            cls.C2: 2 in model.compress_ratios,
+            cls.CANDIDATES: model.candidate_source is not None,
+            cls.ENGRAM: bool(model.engram_layers),
+        }
+        return frozenset(f for f, v in on.items() if v)
 
 
 class Support(enum.Enum):
@@ -83,7 +104,9 @@ class UnsupportedModeError(ConfigError):
     """Two modes of a runner's configuration that cannot run together (``modes``, in the
     table's order) and why; raised before anything is allocated."""
 
-    def __init__(self, modes: tuple[Mode, Mode], why: str, *, needs: bool = False) -> None:
+    def __init__(
+        self, modes: tuple[Mode | Feature, Mode], why: str, *, needs: bool = False
+    ) -> None:
         self.modes, self.why = modes, why
         a, b = modes[0].value, modes[1].value
         message = f"{a} needs {b}" if needs else f"{a} with {b} is not supported"
@@ -103,6 +126,10 @@ _HISPARSE_GRAPH_VERIFY = (
     "graph verify steps do not read HiSparse's C4 KV yet (the graph verifier has no residency "
     "table); speculation with HiSparse runs its verify steps paged: pass graph_decode=False"
 )
+_MULTI_STREAM_SPEC = (
+    "speculative decode steps run through the graph verifier, whose attention prep is on one "
+    "stream"
+)
 #: every refused pair and why (the first mode is the one the message names first)
 REFUSED: dict[tuple[Mode, Mode], str] = {
     (M.OVERLAP, M.SPECULATION): _OVERLAP_SPEC,
@@ -114,6 +141,8 @@ REFUSED: dict[tuple[Mode, Mode], str] = {
         "model's hidden state at every prompt position, which tail-only prefill does not "
         "compute past the last KV source (use another draft source)"
     ),
+    (M.MULTI_STREAM, M.SPECULATION): _MULTI_STREAM_SPEC,
+    (M.MULTI_STREAM, M.MTP_DRAFT): _MULTI_STREAM_SPEC,
     (M.HISPARSE, M.REBALANCE): (
         "run-time re-balancing is not supported with HiSparse: its host mirror and device "
         "buffer are keyed by page id, which a re-balance moves"
@@ -131,6 +160,11 @@ REQUIRES: dict[Mode, tuple[Mode, str]] = {
     ),
     M.MTP_DRAFT: (M.SPECULATION, "a draft source needs speculative_tokens=k"),
     M.TAIL_ONLY: (M.SHARING, "tail_only needs cross-layer KV sharing (ModelConfig.kv_sources)"),
+    M.MULTI_STREAM: (
+        M.GRAPH_DECODE,
+        "multi_stream forks the graph decoder's compressor and indexer: the paged decode path "
+        "runs on one stream",
+    ),
 }
 #: what the pairs that work rely on, where it is not just "independent parts"
 NOTES: dict[tuple[Mode, Mode], str] = {
@@ -157,6 +191,10 @@ NOTES: dict[tuple[Mode, Mode], str] = {
     (M.OVERLAP, M.GRAPH_DECODE): "overlap scheduling is a way of running the graph decoder",
     (M.MTP_DRAFT, M.SPECULATION): "the MTP layer (or an EAGLE head) as the draft source",
     (M.TAIL_ONLY, M.SHARING): "tail-only skips the layers after the last KV source",
+    (M.MULTI_STREAM, M.GRAPH_DECODE): "the compressor and the indexer of each compressed layer "
+    "on a side stream, joined before attention (inline on the CPU)",
+    (M.MULTI_STREAM, M.HISPARSE): "the side stream's indexer selection feeds the residency "
+    "table's gather after the join",
 }
 #: triples whose parts meet in one code path, tested as such
 TRIPLES: dict[tuple[Mode, Mode, Mode], str] = {
@@ -173,6 +211,15 @@ TRIPLES: dict[tuple[Mode, Mode, Mode], str] = {
 REFUSED_TRIPLES: dict[tuple[Mode, Mode, Mode], str] = {
     (M.GRAPH_DECODE, M.SPECULATION, M.HISPARSE): _HISPARSE_GRAPH_VERIFY,
     (M.GRAPH_DECODE, M.MTP_DRAFT, M.HISPARSE): _HISPARSE_GRAPH_VERIFY,
+}
+_ENGRAM_SPEC = (
+    "the verify and draft paths (graph verifier, MTP layer, EAGLE head) do not wire the Engram "
+    "lookup yet (docs/engram.md)"
+)
+#: every (model feature, mode) pair that is refused; any other pair works exactly
+FEATURE_REFUSED: dict[tuple[Feature, Mode], str] = {
+    (Feature.ENGRAM, M.SPECULATION): _ENGRAM_SPEC,
+    (Feature.ENGRAM, M.MTP_DRAFT): _ENGRAM_SPEC,
 }
 APPROXIMATE_MODES = frozenset({M.TAIL_ONLY, M.BOUNDED_REPLAY})
 
@@ -212,12 +259,13 @@ class Modes:
     active: frozenset[Mode]
     spec_tokens: int = 0
     window: int = 0
+    features: frozenset[Feature] = frozenset()
 
     def __contains__(self, mode: object) -> bool:
         return mode in self.active
 
     def with_mode(self, mode: Mode) -> Modes:
-        return Modes(self.active | {mode}, self.spec_tokens, self.window)
+        return Modes(self.active | {mode}, self.spec_tokens, self.window, self.features)
 
     @classmethod
     def of(
@@ -237,13 +285,13 @@ class Modes:
         swa_format: CacheFormat = CacheFormat.BF16,
         schedule: SchedulePolicy = SchedulePolicy.LPM,
         rebalance: bool = False,
+        multi_stream: bool = False,
     ) -> Modes:
         """The modes of `Runner(...)` with these arguments on ``device`` (``rebalance``:
         `budget_runner`'s run-time re-balance)."""
         cuda = device.type == "cuda"
         graph = graph_decode if graph_decode is not None else cuda and hisparse_pages is None
         spec = speculative_tokens is not None
-        check_engram_modes(model, spec)  # a model property, not a pair of the table
         if overlap is None:
             overlap = bool(graph) and cuda and not spec
         mtp = spec and (draft.uses_mtp if draft is not None else model.mtp)
@@ -262,27 +310,32 @@ class Modes:
             M.MEMORY_BUDGET: memory_budget is not None or cuda,
             M.FCFS: schedule is SchedulePolicy.FCFS,
             M.SHARING: model.shares_kv,
+            M.MULTI_STREAM: multi_stream,
         }
         k = speculative_tokens if isinstance(speculative_tokens, int) else 0
-        return cls(frozenset(m for m, v in on.items() if v), k, model.window)
+        active = frozenset(m for m, v in on.items() if v)
+        return cls(active, k, model.window, Feature.of(model))
 
 
 #: the `Runner` arguments `Modes.of` reads (`budget_runner` passes them on)
 MODE_ARGUMENTS = frozenset(
     {"graph_decode", "overlap", "hisparse_pages", "tail_only", "speculative_tokens", "draft",
-     "memory_budget", "index_format", "swa_format", "schedule"}
+     "memory_budget", "index_format", "swa_format", "schedule", "multi_stream"}
 )  # fmt: skip
 
 
 def refusals(modes: Modes) -> Iterator[UnsupportedModeError]:
-    """Every reason ``modes`` cannot run, in the table's order (pairs, then requirements,
-    then the limits of combinations that work)."""
+    """Every reason ``modes`` cannot run, in the table's order (pairs, then a model feature's
+    pairs, then requirements, then the limits of combinations that work)."""
     for (a, b), why in REFUSED.items():
         if a in modes and b in modes:
             yield UnsupportedModeError((a, b), why)
     for (a, b, c), why in REFUSED_TRIPLES.items():
         if a in modes and b in modes and c in modes:
             yield UnsupportedModeError((b, c), why)
+    for (feature, mode), why in FEATURE_REFUSED.items():
+        if feature in modes.features and mode in modes:
+            yield UnsupportedModeError((feature, mode), why)
     for mode, (needed, why) in REQUIRES.items():
         if mode in modes and needed not in modes:
             yield UnsupportedModeError((mode, needed), why, needs=True)

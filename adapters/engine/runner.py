@@ -118,13 +118,13 @@ class Runner:
         overlap: bool | None = None,
         multi_stream: bool = False,
     ) -> None:
-        self.device = resolve_device(device)
+        self.device, multi_stream = resolve_device(device), check_multi_stream(multi_stream)
         self.modes = check_modes(Modes.of(  # every combination, before anything is allocated
             self.device, model, bounded_replay=cache_config.bounded_replay, overlap=overlap,
             graph_decode=graph_decode, hisparse_pages=hisparse_pages, tail_only=tail_only,
             speculative_tokens=speculative_tokens, draft=draft, memory_budget=memory_budget,
-            index_format=index_format, swa_format=swa_format, schedule=schedule))  # fmt: skip
-        multi_stream = check_multi_stream(multi_stream, self.modes)
+            index_format=index_format, swa_format=swa_format, schedule=schedule,
+            multi_stream=multi_stream))  # fmt: skip
         dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         check_chunk(cache_config, chunk_tokens, max_running)
         self.model, self.tail_only = model, check_tail_only(model, tail_only)

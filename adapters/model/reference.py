@@ -209,26 +209,34 @@ def tail_only_computed(chunk_lens: Sequence[int], window: int) -> list[bool]:
 
 @torch.no_grad()
 def reference_tail_only_logits(
-    weights: ModelWeights, tokens: list[int] | torch.Tensor, computed: Sequence[bool]
+    weights: ModelWeights,
+    tokens: list[int] | torch.Tensor,
+    computed: Sequence[bool],
+    engram: EngramRows | None = None,
 ) -> torch.Tensor:
     """Logits ``(C, V)`` at the ``C`` positions where ``computed`` is true, under tail-only
     semantics, from scratch: the layers up to the last KV source run over every token; the
     later layers only over the computed positions, whose windows in those layers see only
     computed positions. A computed position depends on nothing but earlier tokens and which
     earlier positions were computed, so one pass over the sequence reproduces any chunking
-    that computed the same positions."""
+    that computed the same positions. ``engram``: as in `reference_logits`."""
     ids = torch.as_tensor(tokens, dtype=torch.long, device=weights.device)
     if len(computed) != ids.shape[0]:
         raise ValueError(f"{len(computed)} computed flags for {ids.shape[0]} tokens")
     positions = torch.arange(ids.shape[0], device=weights.device)
     rows = positions[torch.as_tensor(list(computed), dtype=torch.bool, device=weights.device)]
     keys = DenseKeys(weights.config, ids.shape[0])
-    return forward_tail_only(weights, ids, positions, keys, rows)
+    step = sequence_step(weights.config, ids, engram)
+    return forward_tail_only(weights, ids, positions, keys, rows, engram=step)
 
 
 @torch.no_grad()
 def reference_tail_only_generate(
-    weights: ModelWeights, prompt: list[int], computed: Sequence[bool], max_new_tokens: int
+    weights: ModelWeights,
+    prompt: list[int],
+    computed: Sequence[bool],
+    max_new_tokens: int,
+    engram: EngramRows | None = None,
 ) -> list[int]:
     """Greedy continuation after a tail-only prefill of ``prompt`` that computed the positions
     flagged in ``computed`` past the last KV source (`tail_only_computed` of its chunks; with a
@@ -236,6 +244,7 @@ def reference_tail_only_generate(
     layer. Slow, tests only."""
     seq, flags = list(prompt), list(computed)
     for _ in range(max_new_tokens):
-        seq.append(int(reference_tail_only_logits(weights, seq, flags)[-1].argmax()))
+        logits = reference_tail_only_logits(weights, seq, flags, engram)
+        seq.append(int(logits[-1].argmax()))
         flags.append(True)
     return seq[len(prompt) :]
