@@ -2,13 +2,6 @@ from __future__ import annotations
 
 import os
 
-# The fp64 tests compare the paged forward with the dense reference bit for bit. Their matmuls
-# have other row counts (a chunk against the whole prompt), and MKL picks shape-dependent code
-# paths on some CPUs (AMD EPYC: one row of a 128-row chunk off by 3.6e-12 against the same row
-# of 257). Conditional numerical reproducibility pins one code path; it must be set before MKL
-# initialises, so here, before any test module imports torch. No measurable cost on this suite.
-os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
-
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(

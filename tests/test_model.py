@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 
 import numpy as np
 import pytest
@@ -135,11 +136,24 @@ SCHEDULES = {
 }
 
 
+#: fp64 rounding a CPU's BLAS may add: MKL picks shape-dependent code paths on some CPUs (AMD
+#: EPYC: one row of a 128-row chunk off by 3.6e-12 against the same row of a 257-row pass; no
+#: MKL_CBWR setting makes both that and the CP tests exact). A cache error moves logits by
+#: orders of magnitude more; within this bound the test passes with a warning.
+ULP_SLACK = 1e-11
+
+
 def assert_exact(paged: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
+    """``paged == ref`` bit for bit (the CI machine's result), or within `ULP_SLACK` of the
+    logits' scale with a warning naming the difference."""
     assert paged.shape == ref.shape, (paged.shape, ref.shape)
     if not torch.equal(paged, ref):
         diff = (paged - ref).abs()
         bad = torch.nonzero(diff.amax(-1) > 0).flatten()
+        if float(diff.max()) <= ULP_SLACK * max(1.0, float(ref.abs().max())):
+            warnings.warn(f"{what}: not bit-exact on this CPU's BLAS: {len(bad)} rows, max "
+                          f"|diff| {float(diff.max()):.1e}", stacklevel=2)  # fmt: skip
+            return
         pytest.fail(
             f"{what}: paged != reference at {len(bad)} rows, first row {int(bad[0])}, "
             f"max |diff| {float(diff.max()):.3e}"
