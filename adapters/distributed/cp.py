@@ -45,20 +45,39 @@ class CPKeys(DenseKeys):
     (windows by position, entries by group, visibility, the indexer's top-k, V4.1 sharing)
     over tensors assembled through ``comm``. Every layer makes one `Comm.exchange` (the SWA
     halo) and every compressing layer one `Comm.all_gather`, on every rank in the same order.
-    Holds the whole prompt's entries per KV-source layer (``entries``, ``index_keys``)."""
+    Holds the whole prompt's entries per KV-source layer (``entries``, ``index_keys``) and,
+    for ``keep = (lo, hi)``, this rank's per-position state of ``[lo, hi)`` that a decode
+    engine's pools hold (``kept``: window latents ``swa{i}``, in-flight rows ``kv_ring{i}`` /
+    ``index_ring{i}``; rows of positions other ranks own are zero)."""
 
     def __init__(
-        self, cfg: ModelConfig, layout: CPLayout, comm: Comm, device: torch.device
+        self,
+        cfg: ModelConfig,
+        layout: CPLayout,
+        comm: Comm,
+        device: torch.device,
+        keep: tuple[int, int] | None = None,
     ) -> None:
         refuse_candidates(cfg, "context-parallel prefill")
         super().__init__(cfg, layout.length)
-        self.layout, self.comm = layout, comm
+        self.layout, self.comm, self.keep = layout, comm, keep
+        self.kept: dict[str, torch.Tensor] = {}
         self.window_plan: WindowPlan = window_plan(layout, comm.rank, cfg.window, device)
         self.streams: dict[int, StreamPlan] = {
             r: stream_plan(layout, comm.rank, r, cfg.is_overlap(r), device) for r in cfg.ratios
         }
 
+    def _keep(self, name: str, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        if self.keep is None:
+            return
+        lo, hi = self.keep
+        mine = (positions >= lo) & (positions < hi)
+        out = rows.new_zeros((hi - lo, rows.shape[1]))
+        out[positions[mine] - lo] = rows[mine]
+        self.kept[name] = out
+
     def _window(self, layer: LayerInput) -> tuple[torch.Tensor, torch.Tensor]:
+        self._keep(f"swa{layer.index}", layer.positions, layer.kv)
         wp, kv = self.window_plan, layer.kv
         sends = {dst: kv[rows] for dst, rows in wp.sends.items()}
         got = self.comm.exchange(sends, wp.recv_rows, kv)
@@ -88,8 +107,9 @@ class CPKeys(DenseKeys):
         """The whole prompt's entries ``(G, dim)`` of each compressor in ``comps``, through
         one all-gather of every rank's entries and boundary rows."""
         parts, dims = [], []
-        for comp in comps:
+        for comp, kind in zip(comps, ("kv", "index")):
             rows = ops.compressor_rows(layer.x, comp, layer.positions)
+            self._keep(f"{kind}_ring{layer.index}", layer.positions, rows)
             dims.append((comp.norm.shape[0], rows.shape[1]))
             src = torch.cat((rows, _pad_row(rows)))
             ent = self._compress(src[sp.entry_src], sp, sp.entry_groups, comp, layer.x.dtype)
@@ -156,16 +176,27 @@ class CPPrefill:
     positions: torch.Tensor  # (N,) the global positions this rank computed
     entries: dict[int, torch.Tensor]  # per KV-source layer: (G, dim) at global group indices
     index_keys: dict[int, torch.Tensor]  # per C4 KV-source layer: (G, index_dim)
+    #: ``keep``'s positions ``[lo, hi)`` and their state from every rank (`CPKeys.kept`)
+    kept: tuple[int, int] | None = None
+    kept_rows: dict[str, torch.Tensor] | None = None
 
 
 @torch.no_grad()
 def cp_prefill(
-    weights: ModelWeights, tokens: list[int] | torch.Tensor, chunk_len: int, comm: Comm
+    weights: ModelWeights,
+    tokens: list[int] | torch.Tensor,
+    chunk_len: int,
+    comm: Comm,
+    keep: tuple[int, int] | None = None,
 ) -> CPPrefill:
     """Prefills ``tokens`` over ``comm``'s ranks (every rank passes the same prompt and
-    ``chunk_len``) and returns the last token's logits on every rank. Raises `CPLayoutError`
-    before any communication if ``chunk_len`` is not a multiple of every compression ratio,
-    or if some rank would own no chunk."""
+    ``chunk_len``) and returns the last token's logits on every rank. ``keep = (lo, hi)``:
+    also assemble, on every rank, the window latents and in-flight rows of positions
+    ``[lo, hi)`` (one all-reduce: each position is one rank's, the others add zeros), what
+    `cp_handoff.import_cp_prefill` writes into a decode engine's pools. Raises
+    `CPLayoutError` before any communication if ``chunk_len`` is not a multiple of every
+    compression ratio, or if some rank would own no chunk, and `ValueError` for a ``keep``
+    outside the prompt."""
     cfg = weights.config
     ids = torch.as_tensor(tokens, dtype=torch.long, device=weights.device)
     layout = CPLayout.for_ratios(ids.shape[0], comm.size, chunk_len, cfg.ratios)
@@ -174,11 +205,21 @@ def cp_prefill(
             f"{layout.num_chunks} chunks of {chunk_len} tokens for {layout.cp} ranks: "
             "every rank must own one"
         )
+    if keep is not None and not 0 <= keep[0] <= keep[1] <= layout.length:
+        raise ValueError(f"keep={keep} is not a range of the {layout.length}-token prompt")
     pos = torch.from_numpy(layout.positions(comm.rank)).to(weights.device)
-    keys = CPKeys(cfg, layout, comm, weights.device)
+    keys = CPKeys(cfg, layout, comm, weights.device, keep)
     last = np.array([layout.length - 1])
     owner = int(layout.owner(last)[0])
     rows = [int(layout.local_row(last)[0])] if comm.rank == owner else []
     logits = forward(weights, ids[pos], pos, keys, torch.tensor(rows, dtype=torch.long))
     mine = logits[0] if rows else logits.new_zeros(logits.shape[1])
-    return CPPrefill(comm.broadcast(mine, owner), pos, keys.entries, keys.index_keys)
+    kept = None
+    if keep is not None:  # one all-reduce of every kept tensor, flattened
+        names = sorted(keys.kept)
+        flat = comm.all_reduce_sum(torch.cat([keys.kept[n].flatten() for n in names]))
+        sizes = [keys.kept[n].numel() for n in names]
+        kept = {n: part.view_as(keys.kept[n])
+                for n, part in zip(names, torch.split(flat, sizes))}  # fmt: skip
+    logits = comm.broadcast(mine, owner)
+    return CPPrefill(logits, pos, keys.entries, keys.index_keys, keep, kept)
