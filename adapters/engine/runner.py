@@ -75,22 +75,21 @@ class Runner:
     on GPU; default on CUDA), else the paged path. ``cache_config.bounded_replay``: hits with
     a tombstoned window served by encoder-side replay (approximate, flagged; not with
     speculation). ``hisparse_pages``: the C4 KV in a host mirror with a device buffer of this
-    many pages per C4 layer (`C4Offload`; no graph decode). ``tail_only``: decoder-side
-    tail-only prefill (docs/sharing.md; needs layers after the last KV source; no prompt
-    logprobs: `UnsupportedRequestError`). ``speculative_tokens=k``: every decode step
-    verifies ``k`` drafts per request (docs/speculative.md) from ``draft`` (default
-    `MTPDraft`); needs ``CacheConfig(speculative=True)``, ``k + 1 <= max_draft_len``, an SWA
-    pool for ``k + 1`` tokens plus the window, no HiSparse; with ``graph_decode`` verify runs
-    through `GraphVerifier`. ``memory_budget``: transient device bytes a step may use beyond
-    pools and weights (default on CUDA: 85 % of what is free once they are allocated); a
+    many pages per C4 layer (`C4Offload`; graph decode only if asked: `GraphResidency`).
+    ``tail_only``: decoder-side tail-only prefill (docs/sharing.md; needs layers after the
+    last KV source; no prompt logprobs: `UnsupportedRequestError`). ``speculative_tokens=k``:
+    ``k`` drafts per request verified per decode step (docs/speculative.md) from ``draft``
+    (default `MTPDraft`); needs ``CacheConfig(speculative=True)``, ``k + 1 <= max_draft_len``,
+    an SWA pool for ``k + 1`` tokens plus the window; verify runs through `GraphVerifier` with
+    ``graph_decode`` (paged with HiSparse). ``memory_budget``: transient device bytes beyond
+    pools and weights a step may use (default on CUDA: 85 % of what is free after them); a
     request whose one-token step cannot fit is refused at `submit` (`MemoryBudgetError`).
     ``schedule``: the admission order after priority, `SchedulePolicy.LPM` (longest cached
     prefix first) or `SchedulePolicy.FCFS`. ``overlap``: the host schedules decode step N+1
     while the device runs step N (`OverlapDecode`; default with CUDA graphs; needs the graph
-    decoder). ``index_format`` / ``swa_format``: cache formats (docs/formats.md). ``multi_stream``:
-    graph decode runs compressor and indexer on a side stream (docs/runner.md; a bool).
+    decoder). ``index_format`` / ``swa_format``: cache formats (docs/formats.md).
+    ``multi_stream``: graph decode's compressor and indexer on a side stream (docs/runner.md).
     ``on_logits`` (attribute): called with the results and logits rows of every sampling step.
-
     Raises `UnsupportedModeError` (a `ConfigError`) for modes that cannot run together
     (`modes.check_modes`, before anything is allocated), `ValueError` for a cache config that
     does not match the model or a chunk the SWA pool cannot hold, `DeviceError` for an
