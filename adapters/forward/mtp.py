@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from adapters.forward.graph_decode import CudaGraphs, DecodeBuffers
+from adapters.forward.cuda_graphs import CudaGraphs
+from adapters.forward.graph_decode import DecodeBuffers
 from adapters.forward.graph_meta import page_lookup
 from adapters.forward.paged import PagedKeys, PagedStep
 from adapters.memory.pools import KVPools
