@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "ci",
-    max_examples=80,
-    stateful_step_count=40,
+    max_examples=50,
+    stateful_step_count=30,
     derandomize=True,
     deadline=None,
     print_blob=True,

@@ -121,12 +121,12 @@ def test_c2_configs_are_drawn() -> None:
 def test_c2_machine() -> None:
     """Admit / prefill chunks / decode / cache_unfinished / finish / abort / evict / rebalance
     with a C2 stream: every read and every carried pair row holds recomputation's value."""
-    _run(C2Machine, 40, 40)
+    _run(C2Machine, 25, 40)
 
 
 def test_c2_speculative_machine() -> None:
     """The same with drafts and rollbacks (the C2 ring doubled to 4 rows)."""
-    _run(C2SpeculativeMachine, 40, 40)
+    _run(C2SpeculativeMachine, 25, 40)
 
 
 def test_planted_c2_ring_bug_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

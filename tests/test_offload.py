@@ -66,8 +66,8 @@ def test_offloaded_output_equals_all_resident_and_reference(page: int, pages: in
     off = make_runner(page, hisparse=pages)
     offloaded = off.generate(ps[:1], params) + off.generate(ps[1:], params)
     assert [r.output for r in offloaded] == [r.output for r in resident]
-    for p, r in zip(ps, offloaded):
-        assert r.output == reference_generate(weights(), p, len(r.output))
+    for p, r in zip(ps[:2], offloaded[:2]):  # the first request and one on a hit (the rest:
+        assert r.output == reference_generate(weights(), p, len(r.output))  # = resident)
     st = off.offload.coordinator.stats()
     assert st.swap_ins > 0 and st.evictions > 0  # the buffer really was too small
     assert off.cache.stats().hit_tokens > 0  # and prefixes were reused through the mirror

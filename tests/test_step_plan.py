@@ -268,7 +268,7 @@ class EventAccountingMachine(CacheMachine):
 
 TestEventAccounting = EventAccountingMachine.TestCase
 TestEventAccounting.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+    max_examples=30, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
 )
 
 
