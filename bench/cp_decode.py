@@ -40,9 +40,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _engine(cfg, w, args, device) -> Runner:  # type: ignore[no-untyped-def]
+def _cache_config(cfg, args):  # type: ignore[no-untyped-def]
     full = -(-(args.length + args.new_tokens + args.chunk + 256) // args.page) * args.page
-    cc = cfg.cache_config(page_size=args.page, full_capacity=full, swa_capacity=full)
+    return cfg.cache_config(page_size=args.page, full_capacity=full, swa_capacity=full)
+
+
+def _engine(cfg, w, args, device) -> Runner:  # type: ignore[no-untyped-def]
+    cc = _cache_config(cfg, args)
     return Runner(cfg, cc, device=device, dtype=w.dtype, weights=w, chunk_tokens=args.chunk,
                   max_running=1, graph_decode=False)  # fmt: skip
 
@@ -85,7 +89,7 @@ def main() -> int:
     w = init_weights(cfg, device, DTYPES[args.dtype])
     tokens = torch.randint(0, 256, (args.length,), generator=torch.Generator().manual_seed(0))
     prompt = tokens.tolist()
-    keep = handoff_range(len(prompt), _engine(cfg, w, args, device).cache.config)
+    keep = handoff_range(len(prompt), _cache_config(cfg, args))
     single = None
     if rank == 0:  # one engine alone, prefill included (warm once: kernels, allocator)
         _decode(_engine(cfg, w, args, device), prompt[: args.page * 2], 2)

@@ -10,13 +10,19 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from small_models import SHORT, SHORT_SHARED, fp64_weights, one_thread
 
 from adapters.distributed.cp import CPPrefill, cp_prefill
 from adapters.distributed.cp_comm import ThreadWorld
-from adapters.distributed.cp_handoff import CPHandoffError, handoff_range, import_cp_prefill
+from adapters.distributed.cp_handoff import (
+    CPHandoffError,
+    handoff_range,
+    import_cp_prefill,
+    swa_positions,
+)
 from adapters.distributed.pd_pools import pool_tensors
 from adapters.engine.runner import Runner
 from adapters.engine.sampling import SamplingParams
@@ -70,12 +76,39 @@ def test_decode_after_a_cp_prefill_equals_one_engine(model, page: int, cp: int) 
 
 
 def test_pages_the_engine_holds_are_not_rewritten() -> None:
-    """An engine that already caches the first 64 tokens takes only the pages it lacks."""
+    """An engine that already caches the first 64 tokens takes only the pages it lacks: none
+    of the pages it held is a destination."""
     runner = _runner(SHORT)
     runner.generate([PROMPT[:64]], SamplingParams(max_new_tokens=1))
+    held = export_layout(runner.cache, PROMPT, max_len=64)
+    held_pages = set(held.full_pages.tolist())
+    release_layout(runner.cache, held)
     receipt = import_cp_prefill(runner, PROMPT, _prefill(SHORT, 4, 2))
-    assert receipt.reused_pages > 0 and len(receipt.full) < receipt.num_tokens // 4
+    assert len(held_pages) == receipt.reused_pages == 64 // 4
+    assert len(receipt.full) + receipt.reused_pages == receipt.num_tokens // 4
+    assert not held_pages & set(receipt.full.dst.tolist())
     assert _decode(runner)[0] == _reference(SHORT)
+
+
+def test_a_prompt_within_one_page_hands_off_nothing() -> None:
+    prompt = PROMPT[:4]
+    runner = _runner(SHORT)
+    keep = handoff_range(len(prompt), runner.cache.config)
+    assert keep == (0, 0)
+    w = fp64_weights(SHORT)
+    pre = ThreadWorld(1).run(lambda c: cp_prefill(w, prompt, 16, c, keep=keep))[0]
+    assert import_cp_prefill(runner, prompt, pre).num_tokens == 0
+    (r,) = runner.generate([prompt], SamplingParams(max_new_tokens=NEW))
+    assert r.output == reference_generate(w, prompt, NEW)
+
+
+def test_a_ring_shorter_than_the_page_takes_each_pages_last_rows_once() -> None:
+    """C4 with overlap at page 16 keeps 8 ring rows a page: the last 8 positions' rows, each
+    row written once (a repeated index is a race on CUDA: the CPU's in-order writes hid it)."""
+    rows, pos = swa_positions(np.array([3, 5]), 8, 16)
+    assert len(np.unique(rows)) == len(rows) == 16
+    assert pos.tolist() == list(range(56, 64)) + list(range(88, 96))
+    assert rows.tolist() == [p % 8 + (k // 8) * 8 for k, p in enumerate(pos.tolist())]
 
 
 def _prefix_rows(runner: Runner) -> dict[str, torch.Tensor]:
@@ -99,7 +132,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("model,page", [(SHORT, 4), (SHORT_SHARED, 8)])
+@pytest.mark.parametrize("model,page", [(SHORT, 4), (SHORT, 16), (SHORT_SHARED, 8)])
 def test_the_pages_hold_what_the_engine_writes_itself(model, page: int) -> None:
     """Every row of the prefix's pages (window latents, in-flight rings, compressed entries,
     indexer keys) equals the row the engine writes prefilling the prompt itself, within 1e-14
@@ -149,4 +182,13 @@ def test_refusals_change_nothing() -> None:
     w = fp64_weights(SHORT)
     with pytest.raises(ValueError, match="keep="):
         ThreadWorld(1).run(lambda c: cp_prefill(w, PROMPT, 16, c, keep=(0, 999)))
-    assert (prefill.positions.numpy() % 32 < 16).all()  # rank 0's chunks of a cp = 2 split
+    other = list(PROMPT)
+    other[5] ^= 1  # another prompt of the same length: the same (lo, n)
+    runner = _runner(SHORT)
+    before = snapshot(runner.cache)
+    with pytest.raises(CPHandoffError, match="another prompt"):
+        import_cp_prefill(runner, other, prefill)
+    hisparse = _runner(SHORT, page=16, hisparse_pages=12)
+    with pytest.raises(CPHandoffError, match="HiSparse"):
+        import_cp_prefill(hisparse, PROMPT, prefill)
+    assert snapshot(runner.cache) == before

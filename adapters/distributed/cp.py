@@ -24,6 +24,7 @@ final-token logits equal cp = 1's: bit for bit in fp64 on CPU (docs/distributed.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -179,6 +180,8 @@ class CPPrefill:
     #: ``keep``'s positions ``[lo, hi)`` and their state from every rank (`CPKeys.kept`)
     kept: tuple[int, int] | None = None
     kept_rows: dict[str, torch.Tensor] | None = None
+    #: SHA-256 of the prompt's token ids (int64), which a handoff checks against its tokens
+    digest: str = ""
 
 
 @torch.no_grad()
@@ -205,8 +208,10 @@ def cp_prefill(
             f"{layout.num_chunks} chunks of {chunk_len} tokens for {layout.cp} ranks: "
             "every rank must own one"
         )
-    if keep is not None and not 0 <= keep[0] <= keep[1] <= layout.length:
-        raise ValueError(f"keep={keep} is not a range of the {layout.length}-token prompt")
+    if keep is not None:
+        keep = (int(keep[0]), int(keep[1]))
+        if not 0 <= keep[0] <= keep[1] <= layout.length:
+            raise ValueError(f"keep={keep} is not a range of the {layout.length}-token prompt")
     pos = torch.from_numpy(layout.positions(comm.rank)).to(weights.device)
     keys = CPKeys(cfg, layout, comm, weights.device, keep)
     last = np.array([layout.length - 1])
@@ -222,4 +227,10 @@ def cp_prefill(
         kept = {n: part.view_as(keys.kept[n])
                 for n, part in zip(names, torch.split(flat, sizes))}  # fmt: skip
     logits = comm.broadcast(mine, owner)
-    return CPPrefill(logits, pos, keys.entries, keys.index_keys, keep, kept)
+    return CPPrefill(logits, pos, keys.entries, keys.index_keys, keep, kept, token_digest(ids))
+
+
+def token_digest(tokens: list[int] | torch.Tensor) -> str:
+    """SHA-256 of token ids as int64 bytes (what ties a `CPPrefill` to its prompt)."""
+    ids = torch.as_tensor(tokens, dtype=torch.long).cpu().numpy()
+    return hashlib.sha256(ids.astype("<i8").tobytes()).hexdigest()

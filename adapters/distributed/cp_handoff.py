@@ -26,8 +26,8 @@ import re
 import numpy as np
 import torch
 
-from adapters.distributed.cp import CPPrefill
-from adapters.distributed.pd_pools import PoolTensor, pool_tensors, scatter_pages
+from adapters.distributed.cp import CPPrefill, token_digest
+from adapters.distributed.pd_pools import PoolTensor, pool_tensors, scatter_pages, transfer_bytes
 from adapters.engine.runner import Runner
 from shadowradix import ImportReceipt, PrefixLayout, import_prefix, plan_import, slots
 from shadowradix.config import CacheConfig
@@ -63,30 +63,52 @@ def _layout(tokens: list[int], config: CacheConfig, lo: int, n: int) -> PrefixLa
     )
 
 
-def _check(runner: Runner, prefill: CPPrefill, lo: int, n: int) -> list[PoolTensor]:
-    tensors = pool_tensors(runner.pools)  # ValueError for HiSparse-offloaded C4 KV
+def _check(
+    runner: Runner, tokens: list[int], prefill: CPPrefill, lo: int, n: int
+) -> list[PoolTensor]:
+    try:
+        tensors = pool_tensors(runner.pools)
+    except ValueError as exc:  # HiSparse-offloaded C4 KV
+        raise CPHandoffError(str(exc)) from exc
+    if prefill.digest != token_digest(tokens):
+        raise CPHandoffError("the prefill was made for another prompt than these tokens")
     if prefill.kept != (lo, n) or prefill.kept_rows is None:
         raise CPHandoffError(
             f"the prefill kept positions {prefill.kept}, the engine's prefix needs {(lo, n)}: "
             "pass cp_prefill(keep=handoff_range(len(tokens), cache_config))"
         )
     for t in tensors:
-        if _NAME.fullmatch(t.name) is None:
+        m = _NAME.fullmatch(t.name)
+        if m is None:
             raise CPHandoffError(
                 f"pool tensor {t.name!r} is not handed off by a context-parallel prefill "
                 "(quantised formats, an MTP engine's page hidden states, tail-only's bits)"
             )
+        kind, layer = m.group(1), int(m.group(2))
+        have = (prefill.kept_rows if kind == "swa" or kind.endswith("ring") else
+                prefill.entries if kind == "kv" else prefill.index_keys)  # fmt: skip
+        if (t.name if have is prefill.kept_rows else layer) not in have:
+            raise CPHandoffError(f"the prefill has no {t.name} rows: another model?")
     return tensors
 
 
+def swa_positions(pages: np.ndarray, per_page: int, p: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, positions) of SWA pages ``pages`` (identity ids, renumbered to their order) of a
+    tensor with ``per_page`` rows per page: the last ``per_page`` positions of each page, at
+    ``ring_row`` (``per_page = P``: every position, the window latents' `page_slot`). A ring
+    shorter than the page keeps only its page's last rows, as the engine does; each row is
+    written once (a repeated index races on CUDA)."""
+    k = np.repeat(np.arange(len(pages), dtype=np.int64), per_page)
+    pos = np.repeat((np.asarray(pages, dtype=np.int64) + 1) * p, per_page) - np.tile(
+        np.arange(per_page, 0, -1, dtype=np.int64), len(pages)
+    )
+    return slots.ring_row(k, pos, per_page), pos
+
+
 def _swa_rows(kept: torch.Tensor, pages: np.ndarray, per_page: int, p: int, lo: int):
-    """Rows of SWA pages ``pages`` (identity ids) of a tensor with ``per_page`` rows per page:
-    position ``pos`` of page ``j`` at row ``ring_row(j, pos, per_page)`` (``per_page = P``: the
-    window latents' `page_slot`), renumbered to the pages' order."""
     out = kept.new_zeros((len(pages) * per_page, kept.shape[1]))
-    for k, j in enumerate(pages.tolist()):
-        pos = np.arange(j * p, (j + 1) * p)
-        out[slots.ring_row(k, pos, per_page)] = kept[pos - lo]
+    rows, pos = swa_positions(pages, per_page, p)
+    out[torch.from_numpy(rows).to(out.device)] = kept[torch.from_numpy(pos - lo).to(out.device)]
     return out
 
 
@@ -94,13 +116,15 @@ def _full_rows(entries: torch.Tensor, pages: np.ndarray, p: int, ratio: int, spp
     """Rows of virtual pages ``pages`` (identity ids): each complete group's entry at
     ``compressed_slot`` of the page holding its last token, renumbered to the pages' order."""
     out = entries.new_zeros((len(pages) * spp, entries.shape[1]))
-    local = {int(j): k for k, j in enumerate(pages.tolist())}
-    groups = np.arange(n // ratio)
+    local = np.full(max(1, n // p), -1, dtype=np.int64)
+    local[np.asarray(pages, dtype=np.int64)] = np.arange(len(pages))
+    groups = np.arange(n // ratio, dtype=np.int64)
     ends = slots.group_end(groups, ratio)
-    at = np.array([local.get(int(e) // p, -1) for e in ends], dtype=np.int64)
+    at = local[ends // p]
     keep = at >= 0
     rows = slots.compressed_slot(at[keep], ends[keep], p, ratio, spp)
-    out[torch.from_numpy(rows)] = entries[torch.from_numpy(groups[keep])]
+    dev = out.device
+    out[torch.from_numpy(rows).to(dev)] = entries[torch.from_numpy(groups[keep]).to(dev)]
     return out
 
 
@@ -134,14 +158,19 @@ def import_cp_prefill(runner: Runner, tokens: list[int], prefill: CPPrefill) -> 
     admission of ``tokens`` computes only the rest. Pages the cache already holds are not
     rewritten. Raises `CPHandoffError` or `ImportRefused` (no room), changing nothing."""
     lo, n = handoff_range(len(tokens), runner.cache.config)
-    tensors = _check(runner, prefill, lo, n)
+    tensors = _check(runner, list(tokens), prefill, lo, n)
     layout = _layout(list(tokens), runner.cache.config, lo, n)
     plan = plan_import(runner.cache, list(tokens), layout)
     full = layout.full_pages[np.array(plan.full_index, dtype=np.int64)]
     swa = layout.swa_pages[np.array(plan.swa_index, dtype=np.int64)]
     buf = _buffer(runner, tensors, prefill, full, swa, lo, n)  # before the cache changes
+    if buf.numel() != transfer_bytes(runner.pools, len(full), len(swa)):
+        raise AssertionError("the handoff's buffer is not the pages' size")
     receipt = import_prefix(runner.cache, list(tokens), layout)
-    if receipt.full.index.tolist() != list(plan.full_index):
+    if (receipt.full.index.tolist(), receipt.swa.index.tolist()) != (
+        list(plan.full_index),
+        list(plan.swa_index),
+    ):  # single-threaded, nothing ran since the plan: unreachable
         raise AssertionError("the engine's cache changed between plan and import")
     scatter_pages(runner.pools, buf, receipt.full.dst, receipt.swa.dst)
     return receipt

@@ -119,7 +119,7 @@ def stream_plan(
         overlap=overlap,
         num_groups=layout.length // ratio,
         ranks=ranks,
-        entry_src=_t(src.reshape(len(own.entry_groups), -1), device),
+        entry_src=_t(src.reshape(len(own.entry_groups), ratio * (2 if overlap else 1)), device),
         entry_groups=_t(own.entry_groups, device),
         row_src=_t(_group_rows(layout, own.row_groups, ratio), device),
         cross_groups=_t(cross, device),
