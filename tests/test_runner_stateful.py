@@ -120,7 +120,7 @@ class RunnerMachine(RuleBasedStateMachine):
             weights=weights(),
             chunk_tokens=chunk,
             max_running=max_running,
-            graph_decode=graph and hisparse is None,
+            graph_decode=graph,  # with HiSparse: its graph path (`GraphResidency`)
             # HiSparse (page >= 4): C4 KV in a host mirror with a device buffer barely above
             # one query's top-k, so swap-ins and evictions happen on almost every step
             hisparse_pages=None
