@@ -329,7 +329,8 @@ class GraphDecoder:
             out = self._run(batch, context)[: len(requests)]
         else:
             out = self._replay(batch, context)[: len(requests)]
-        if self.hisparse is not None:
+        if self.hisparse is not None:  # the last step planned while this one runs
+            self.hisparse.after_launch()
             self.hisparse.after_step(batch * self.buffers.num_tokens)
         return out
 

@@ -132,6 +132,8 @@ class C4Offload:
         self.lives = PageLives(host_pages)
         self.touched: dict[int, list[np.ndarray]] = {j: [] for j in range(len(self.layers))}
         self.on_begin: list[Callable[[], None]] = []
+        #: the pages whose life the last `begin_step` ended
+        self.last_ended = np.zeros(0, dtype=np.int64)
 
     @property
     def copy_path(self) -> str:
@@ -177,6 +179,7 @@ class C4Offload:
         for callback in self.on_begin:
             callback()
         ended = self.lives.begin(self.events.take())
+        self.last_ended = ended
         if not len(ended):
             return
         try:

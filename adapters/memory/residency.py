@@ -110,6 +110,7 @@ class GraphResidency:
         self.counts = torch.zeros(2, dtype=torch.long, device=dev)  # entries hit, entries read
         self.max_rows, self.stats = max_rows, GraphStats()
         self._pending: tuple[dict, dict, int, torch.cuda.Event | None] | None = None
+        self._deferring, self._ended = False, list[np.ndarray]()
         self._cuda = dev.type == "cuda"
         offload.on_begin.append(self.commit)
         for j in range(len(offload.layers)):  # the table starts as the coordinator's
@@ -172,11 +173,26 @@ class GraphResidency:
     # -- outside the graph -----------------------------------------------------------------
 
     def before_step(self) -> None:
-        """Before a graph step is loaded: copies drained, the last step committed, the pages
-        the cache freed released (`C4Offload.begin_step`), the device tables current."""
+        """Before a graph step is loaded: copies drained, the pages the cache freed released
+        (`C4Offload.begin_step`), the device tables current. The last graph step's records
+        are committed after this step is launched (`after_launch`), so the host plans while
+        the device runs; an eager step's `begin_step` commits them first instead."""
         self.offload.drain()
-        self.offload.begin_step()
+        self._deferring = True
+        try:
+            self.offload.begin_step()
+        finally:
+            self._deferring = False
+        if self._pending is not None:  # their lives ended after the records were taken
+            self._ended.append(self.offload.last_ended)
         self.sync_table()
+
+    def after_launch(self) -> None:
+        """Right after a graph step was launched (before its `after_step`): commits the last
+        step's records. Its copies and table changes are queued behind the launched step,
+        which reads the tables as they were (exact: a mapped slot holds its page, every write
+        goes through to the mirror), and the next step sees them."""
+        self.commit()
 
     def after_step(self, rows: int) -> None:
         """After a graph step of ``rows`` query rows was queued: its records to the host,
@@ -198,17 +214,22 @@ class GraphResidency:
     def commit(self) -> None:
         """Plans the last graph step's reads and writes with the coordinator (bounded swap-ins
         of its missed pages, its written pages placed) and copies them mirror -> buffer."""
-        if self._pending is None:
+        if self._pending is None or self._deferring:
             return
         selected, written, _, event = self._pending
         self._pending = None
+        ended = np.concatenate([np.zeros(0, np.int64), *self._ended])
+        self._ended.clear()
         if event is not None:  # pragma: no cover - CUDA only
             event.synchronize()
         for j, source in enumerate(self.offload.layers):
             reads = np.concatenate([selected[i].numpy().reshape(-1) for i in self.readers[source]])
+            reads = reads[reads >= 0].astype(np.int64)
             wrote = written[source].numpy()
-            self._commit_layer(j, source, reads[reads >= 0].astype(np.int64),
-                               np.unique(wrote[wrote < self.host_rows] // self.spp))  # fmt: skip
+            writes = np.unique(wrote[wrote < self.host_rows] // self.spp)
+            if len(ended):  # pages released since: nothing to plan for them
+                reads, writes = reads[~np.isin(reads, ended)], writes[~np.isin(writes, ended)]
+            self._commit_layer(j, source, reads, writes)
 
     def _commit_layer(self, j: int, layer: int, reads: np.ndarray, writes: np.ndarray) -> None:
         off, coord = self.offload, self.offload.coordinator
