@@ -24,15 +24,18 @@ Outside the graph, on the host:
 
 * `after_step`: queues a non-blocking copy of the step's records (selected pages, written
   entry slots) to pinned buffers, with an event;
-* `commit` (the next `C4Offload.begin_step`, before the pages the cache freed are released):
-  waits for that event (long done: the runner read the step's logits), and per layer plans
-  with the coordinator: reads = the previous step's resident pages (LRU stamps) plus at most
-  ``max_swaps`` missed pages (most-read first), writes = the pages written (fresh when their
-  life began in that step); copies the swapped-in pages and the newly placed written pages
-  mirror -> buffer on the compute stream (ordered before the next replay); completes both
+* `commit` (`after_launch`: right after the *next* graph step is launched, so the host plans
+  while the device runs it; or an eager step's `C4Offload.begin_step`, first): waits for that
+  event (long done), and per layer plans with the coordinator: reads = the previous step's
+  resident pages (LRU stamps) plus at most ``max_swaps`` missed pages (most-read first),
+  writes = the pages written (fresh when their life began in that step), both without the
+  pages whose life ended since (released by the launched step's `begin_step`); copies the
+  swapped-in pages and the newly placed written pages mirror -> buffer on the compute stream,
+  queued behind the launched step (which read the tables as they were); completes both
   tickets at once (the mirror needed no backup);
 * `sync_table` (before the next replay): uploads the slots of every page whose residency
-  changed — by this path, by eager steps (`C4Offload.touched`) or by releases.
+  changed — by this path, by eager steps (`C4Offload.touched`) or by releases. A plan thus
+  reaches the device two steps after the selection it came from.
 
 Exactness: every entry a step reads comes from the mirror, which holds every write (write-
 through), or from a buffer slot that the table maps to the page, and a mapped slot holds the
