@@ -182,8 +182,8 @@ NOTES: dict[tuple[Mode, Mode], str] = {
     (M.SPECULATION, M.HISPARSE): "verify steps run paged through the executor; rolled-back "
     "drafts end their pages' lives by FREED events (graph verify with HiSparse is refused)",
     (M.MTP_DRAFT, M.HISPARSE): "the MTP state is outside HiSparse; verify steps run paged",
-    (M.OVERLAP, M.HISPARSE): "exact, but no overlap gain: a graph step's swap-ins are planned "
-    "from the previous step's selection, which the host waits for before the next launch",
+    (M.OVERLAP, M.HISPARSE): "exact: a graph step's swap-ins are planned from the previous "
+    "step's selection after the next launch; the gain over that is not measured",
     (M.SPECULATION, M.SAMPLING): "rejection sampling: the target's distribution, not the "
     "tokens of a run without speculation",
     (M.MTP_DRAFT, M.SAMPLING): "rejection sampling against the MTP draft's distribution",
