@@ -14,6 +14,7 @@ import pytest
 import torch
 from interpreted import interpreted_modules, run_check
 from small_models import SMALL as SMALL_MODEL
+from small_models import one_thread
 
 from adapters.engine.runner import Runner
 from adapters.engine.sampling import SamplingParams
@@ -26,12 +27,7 @@ PAGE, BUFFER_PAGES = 16, 5  # 4 C4 entries a page; top-4 + the written page: 5 s
 NEW_TOKENS = 20
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 
 # ------------------------------------------------------------- the gather, interpreted
