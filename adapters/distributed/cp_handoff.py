@@ -29,7 +29,7 @@ import torch
 from adapters.distributed.cp import CPPrefill, token_digest
 from adapters.distributed.pd_pools import PoolTensor, pool_tensors, scatter_pages, transfer_bytes
 from adapters.engine.runner import Runner
-from shadowradix import ImportReceipt, PrefixLayout, import_prefix, plan_import, slots
+from shadowradix import ImportReceipt, Pool, PrefixLayout, import_prefix, plan_import, slots
 from shadowradix.config import CacheConfig
 from shadowradix.transfer_layout import frozen_pages
 
@@ -78,18 +78,25 @@ def _check(
             "pass cp_prefill(keep=handoff_range(len(tokens), cache_config))"
         )
     for t in tensors:
-        m = _NAME.fullmatch(t.name)
-        if m is None:
+        if _NAME.fullmatch(t.name) is None:
             raise CPHandoffError(
                 f"pool tensor {t.name!r} is not handed off by a context-parallel prefill "
                 "(quantised formats, an MTP engine's page hidden states, tail-only's bits)"
             )
-        kind, layer = m.group(1), int(m.group(2))
-        have = (prefill.kept_rows if kind == "swa" or kind.endswith("ring") else
-                prefill.entries if kind == "kv" else prefill.index_keys)  # fmt: skip
-        if (t.name if have is prefill.kept_rows else layer) not in have:
+        if _source(prefill, t.name) is None:
             raise CPHandoffError(f"the prefill has no {t.name} rows: another model?")
     return tensors
+
+
+def _source(prefill: CPPrefill, name: str) -> torch.Tensor | None:
+    """The prefill's rows behind pool tensor ``name``: per position (window latents ``swa{i}``,
+    rings ``*_ring{i}``) or per group (entries ``kv{i}``, indexer keys ``index{i}``)."""
+    m = _NAME.fullmatch(name)
+    assert m is not None and prefill.kept_rows is not None
+    kind, layer = m.group(1), int(m.group(2))
+    if kind == "swa" or kind.endswith("ring"):
+        return prefill.kept_rows.get(name)
+    return (prefill.entries if kind == "kv" else prefill.index_keys).get(layer)
 
 
 def swa_positions(pages: np.ndarray, per_page: int, p: int) -> tuple[np.ndarray, np.ndarray]:
@@ -131,17 +138,16 @@ def _full_rows(entries: torch.Tensor, pages: np.ndarray, p: int, ratio: int, spp
 def _buffer(runner: Runner, tensors, prefill: CPPrefill, full, swa, lo: int, n: int):
     """`gather_pages`' buffer of those identity pages, built from the prefill."""
     cfg, model, parts = runner.cache.config, runner.model, []
-    assert prefill.kept_rows is not None
     for t in tensors:
-        m = _NAME.fullmatch(t.name)
-        assert m is not None
-        kind, layer = m.group(1), int(m.group(2))
-        if kind == "swa" or kind.endswith("ring"):
-            rows = _swa_rows(prefill.kept_rows[t.name], swa, t.rows_per_page, cfg.page_size, lo)
+        src = _source(prefill, t.name)
+        assert src is not None  # `_check`
+        if t.pool is Pool.SWA:
+            rows = _swa_rows(src, swa, t.rows_per_page, cfg.page_size, lo)
         else:
-            spec = cfg.stream(model.compress_ratios[layer])
-            source = prefill.entries if kind == "kv" else prefill.index_keys
-            rows = _full_rows(source[layer], full, cfg.page_size, spec.ratio, t.rows_per_page, n)
+            m = _NAME.fullmatch(t.name)
+            assert m is not None
+            ratio = model.compress_ratios[int(m.group(2))]
+            rows = _full_rows(src, full, cfg.page_size, ratio, t.rows_per_page, n)
         if tuple(rows.shape[1:]) != tuple(t.tensor.shape[1:]):
             raise CPHandoffError(f"{t.name}: prefill rows {tuple(rows.shape)}, pool rows of "
                                  f"{tuple(t.tensor.shape[1:])}: another model?")  # fmt: skip
