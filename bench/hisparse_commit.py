@@ -15,7 +15,7 @@ slot it wrote (one C4 entry every 4 tokens, into its request's tail page: a fres
 ~3000 missed pages per layer-step at 200K x 8 with a 20% buffer) and ``local`` (each step keeps
 ``--keep`` of the previous step's entries and draws the rest anew).
 
-``--head-dim`` (default 16, not the model's 512) keeps the CPU's own mirror -> buffer copies
+``--head-dim`` (default 4, not the model's 512) keeps the CPU's own mirror -> buffer copies
 small: on CUDA they are device gathers queued behind the step, not host work. Reported:
 median µs per step of each phase (``before_step`` without its `sync_table`, which is its own
 row) over ``--steps`` steps after ``--warmup``, the best median of ``--repeat`` runs.
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace, scenario: str, profile: cProfile.Profile | Non
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="flash-shaped")
-    ap.add_argument("--head-dim", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=4)
     ap.add_argument("--context", type=int, default=200_000, help="tokens per request")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1, help="query tokens per request and step")
