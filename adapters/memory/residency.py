@@ -55,6 +55,7 @@ import torch
 from adapters.kernels import PoolRows
 from adapters.memory.pinned_view import mapped_view
 from adapters.model.model_config import ModelConfig
+from hisparse.inputs import distinct
 
 if TYPE_CHECKING:
     from adapters.memory.offload import C4Offload
@@ -115,6 +116,13 @@ class GraphResidency:
         self._pending: tuple[dict, dict, int, torch.cuda.Event | None] | None = None
         self._deferring, self._ended = False, list[np.ndarray]()
         self._cuda = dev.type == "cuda"
+        # the records' host copies (pinned on CUDA), reused by every `after_step`: `commit`
+        # reads them before the next `after_step` overwrites them
+        self._host = {name: {i: torch.empty(t.shape, dtype=t.dtype, pin_memory=self._cuda)
+                             for i, t in records.items()}
+                      for name, records in (("selected", self.selected),
+                                            ("written", self.written))}  # fmt: skip
+        self._mark = np.zeros(pages, np.bool_)  # `sync_table`'s scratch: all False between calls
         offload.on_begin.append(self.commit)
         for j in range(len(offload.layers)):  # the table starts as the coordinator's
             offload.touched[j].append(np.arange(pages, dtype=np.int64))
@@ -201,12 +209,11 @@ class GraphResidency:
         """After a graph step of ``rows`` query rows was queued: its records to the host,
         without waiting (read at the next `commit`)."""
 
-        def host(t: torch.Tensor) -> torch.Tensor:
-            out = torch.empty(t[:rows].shape, dtype=t.dtype, pin_memory=self._cuda)
-            return out.copy_(t[:rows], non_blocking=self._cuda)
-
-        selected = {i: host(t) for i, t in self.selected.items()}
-        written = {i: host(t) for i, t in self.written.items()}
+        nb, host = self._cuda, self._host
+        selected = {i: host["selected"][i][:rows].copy_(t[:rows], non_blocking=nb)
+                    for i, t in self.selected.items()}  # fmt: skip
+        written = {i: host["written"][i][:rows].copy_(t[:rows], non_blocking=nb)
+                   for i, t in self.written.items()}  # fmt: skip
         event = None
         if self._cuda:  # pragma: no cover - CUDA only
             event = torch.cuda.Event()
@@ -226,27 +233,25 @@ class GraphResidency:
         if event is not None:  # pragma: no cover - CUDA only
             event.synchronize()
         for j, source in enumerate(self.offload.layers):
-            reads = np.concatenate([selected[i].numpy().reshape(-1) for i in self.readers[source]])
-            reads = reads[reads >= 0].astype(np.int64)
+            parts = [selected[i].numpy().reshape(-1) for i in self.readers[source]]
+            reads = parts[0] if len(parts) == 1 else np.concatenate(parts)
             wrote = written[source].numpy()
-            writes = np.unique(wrote[wrote < self.host_rows] // self.spp)
+            writes = distinct(wrote[wrote < self.host_rows] // self.spp)
             if len(ended):  # pages released since: nothing to plan for them
-                reads, writes = reads[~np.isin(reads, ended)], writes[~np.isin(writes, ended)]
-            self._commit_layer(j, source, reads, writes)
+                writes = writes[~np.isin(writes, ended)]
+            self._commit_layer(j, source, read_order(reads, writes, ended), writes)
 
-    def _commit_layer(self, j: int, layer: int, reads: np.ndarray, writes: np.ndarray) -> None:
+    def _commit_layer(self, j: int, layer: int, pages: np.ndarray, writes: np.ndarray) -> None:
+        """``pages``: the distinct pages read, most-read first, without ``writes`` (placed
+        anyway) or pages released since (`read_order`)."""
         off, coord = self.offload, self.offload.coordinator
-        pages, counts = np.unique(reads, return_counts=True)
-        order = np.argsort(-counts, kind="stable")  # most-read first, then lower page
-        pages = pages[order]
         resident = coord.resident(j, pages)
         hits, misses = pages[resident], pages[~resident]
-        misses = misses[~np.isin(misses, writes)]  # written pages are placed anyway
         room = max(0, off.device_pages - len(writes))
         take = min(self.max_swaps, room, len(misses))
         self.stats.missed_pages += len(misses)
         self.stats.dropped_misses += len(misses) - take
-        hits = hits[~np.isin(hits, writes)][: room - take]
+        hits = hits[: room - take]
         fresh = off.lives.fresh(writes)
         plan = coord.plan_step(j, np.concatenate((hits, misses[:take])), writes, fresh)
         off.lives.wrote(writes)
@@ -262,9 +267,9 @@ class GraphResidency:
 
     def _copy_pages(self, layer: int, pages: np.ndarray, slots: np.ndarray) -> None:
         """Mirror pages -> buffer slots, on the current stream (before the next replay)."""
-        dev = self.offload.device
-        src = torch.from_numpy(pages).to(dev, non_blocking=self._cuda)
-        dst = torch.from_numpy(slots).to(dev, non_blocking=self._cuda)
+        both = torch.from_numpy(np.stack((pages, slots))).to(self.offload.device,
+                                                             non_blocking=self._cuda)  # fmt: skip
+        src, dst = both[0], both[1]
         mirror = self.mirror[layer].view(self.offload.host[layer].shape)
         self.offload.buffer[layer].index_copy_(0, dst, mirror.index_select(0, src))
 
@@ -275,7 +280,14 @@ class GraphResidency:
             parts = self.offload.touched[j]
             if not parts:
                 continue
-            pages = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
+            pages = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            if len(pages) > len(self._mark):  # many repeats: the distinct ones, by a mask
+                mark = self._mark  # (the coordinator's pages and released ones: in range)
+                mark[pages] = True
+                pages = np.flatnonzero(mark)
+                mark[pages] = False
+            # repeats are harmless: each gets the same (current) slot
+            pages = pages.astype(np.int64, copy=False)
             parts.clear()
             slots = coord.slots(j, pages)
             both = torch.from_numpy(np.stack((pages, slots))).to(dev, non_blocking=self._cuda)
@@ -285,3 +297,16 @@ class GraphResidency:
         """(entries read from the buffer, entries read) over every graph step so far."""
         hit, read = self.counts.tolist()
         return int(hit), int(read)
+
+
+def read_order(reads: np.ndarray, writes: np.ndarray, ended: np.ndarray) -> np.ndarray:
+    """The distinct pages of ``reads`` (selected pages, ``-1`` for none), most-read first, then
+    lower page, without ``writes`` or ``ended``: counted over the page range (`np.bincount`)
+    instead of sorted (`np.unique`). An id past the range survives, for the coordinator to
+    reject."""
+    counts = np.bincount(np.maximum(reads, -1) + 1)[1:]  # -1 (none) lands in the dropped bin 0
+    for drop in (writes, ended):
+        if len(drop):
+            counts[drop[(drop >= 0) & (drop < len(counts))]] = 0
+    pages = np.flatnonzero(counts.astype(np.bool_))  # (a bool mask: twice as fast)
+    return pages[np.argsort(-counts[pages], kind="stable")]  # ties: the lower page first
