@@ -239,11 +239,14 @@ class GraphResidency:
             writes = distinct(wrote[wrote < self.host_rows] // self.spp)
             if len(ended):  # pages released since: nothing to plan for them
                 writes = writes[~np.isin(writes, ended)]
-            self._commit_layer(j, source, read_order(reads, writes, ended), writes)
+            self._commit_layer(j, source, *read_counts(reads, writes, ended), writes)
 
-    def _commit_layer(self, j: int, layer: int, pages: np.ndarray, writes: np.ndarray) -> None:
-        """``pages``: the distinct pages read, most-read first, without ``writes`` (placed
-        anyway) or pages released since (`read_order`)."""
+    def _commit_layer(
+        self, j: int, layer: int, pages: np.ndarray, counts: np.ndarray, writes: np.ndarray
+    ) -> None:
+        """``pages``: the distinct pages read (ascending), without ``writes`` (placed anyway)
+        or pages released since; ``counts``: reads by page (`read_counts`). The plan keeps the
+        most-read misses, then the most-read hits, that fit."""
         off, coord = self.offload, self.offload.coordinator
         resident = coord.resident(j, pages)
         hits, misses = pages[resident], pages[~resident]
@@ -251,9 +254,9 @@ class GraphResidency:
         take = min(self.max_swaps, room, len(misses))
         self.stats.missed_pages += len(misses)
         self.stats.dropped_misses += len(misses) - take
-        hits = hits[: room - take]
+        misses, hits = most_read(misses, counts, take), most_read(hits, counts, room - take)
         fresh = off.lives.fresh(writes)
-        plan = coord.plan_step(j, np.concatenate((hits, misses[:take])), writes, fresh)
+        plan = coord.plan_step(j, np.concatenate((hits, misses)), writes, fresh)
         off.lives.wrote(writes)
         placed = np.asarray(plan.write_slots, dtype=np.int64)[fresh]
         src = np.concatenate((np.asarray(plan.swap_in.host_pages), writes[fresh]))
@@ -299,14 +302,23 @@ class GraphResidency:
         return int(hit), int(read)
 
 
-def read_order(reads: np.ndarray, writes: np.ndarray, ended: np.ndarray) -> np.ndarray:
-    """The distinct pages of ``reads`` (selected pages, ``-1`` for none), most-read first, then
-    lower page, without ``writes`` or ``ended``: counted over the page range (`np.bincount`)
-    instead of sorted (`np.unique`). An id past the range survives, for the coordinator to
+def read_counts(
+    reads: np.ndarray, writes: np.ndarray, ended: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct pages of ``reads`` (selected pages, ``-1`` for none), ascending, without
+    ``writes`` or ``ended``, and the reads of each page by page id: one count over the page
+    range (`np.bincount`), no sort. An id past the range survives, for the coordinator to
     reject."""
     counts = np.bincount(np.maximum(reads, -1) + 1)[1:]  # -1 (none) lands in the dropped bin 0
     for drop in (writes, ended):
         if len(drop):
             counts[drop[(drop >= 0) & (drop < len(counts))]] = 0
-    pages = np.flatnonzero(counts.astype(np.bool_))  # (a bool mask: twice as fast)
-    return pages[np.argsort(-counts[pages], kind="stable")]  # ties: the lower page first
+    return np.flatnonzero(counts.astype(np.bool_)), counts  # (a bool mask: twice as fast)
+
+
+def most_read(pages: np.ndarray, counts: np.ndarray, n: int) -> np.ndarray:
+    """The ``n`` of the ascending ``pages`` read most (``counts`` by page; ties: the lower page);
+    all of them, unsorted (their order plans nothing), when they are at most ``n``."""
+    if len(pages) <= n:
+        return pages
+    return pages[np.argsort(-counts[pages], kind="stable")[:n]]
