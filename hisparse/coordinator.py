@@ -116,8 +116,8 @@ class Coordinator:
         page has none: what a device-resident copy of the page table holds (graph decode)."""
         index = as_layer(layer, self.config.num_layers)
         pages = as_host_pages(host_pages, self.config.max_host_pages, "host_pages")
-        out = self._layers[index].buffer.slot_of_page[pages]
-        return np.where(out >= 0, out, -1)
+        out = np.asarray(self._layers[index].buffer.slot_of_page[pages])  # a new array
+        return np.maximum(out, -1, out=out)  # `NOT_RESIDENT` -> -1: one pass, no copy
 
     def holds(self, host_pages: npt.ArrayLike) -> npt.NDArray[np.bool_]:
         """Whether each of ``host_pages`` (any shape) holds data in any layer: a device copy,

@@ -100,6 +100,7 @@ class GraphResidency:
         self.table = {i: torch.full((pages + 1,), -1, dtype=torch.long, device=dev)
                       for i in offload.layers}  # fmt: skip
         self.mirror = {i: self._mirror(i) for i in offload.layers}
+        self._mirror_pages = {i: m.view(offload.host[i].shape) for i, m in self.mirror.items()}
         self.rows = {i: offload.buffer[i].view(-1, offload.buffer[i].shape[-1])
                      for i in offload.layers}  # fmt: skip
         #: the C4 layers reading each source's KV (a source, its consumers under sharing)
@@ -273,8 +274,8 @@ class GraphResidency:
         both = torch.from_numpy(np.stack((pages, slots))).to(self.offload.device,
                                                              non_blocking=self._cuda)  # fmt: skip
         src, dst = both[0], both[1]
-        mirror = self.mirror[layer].view(self.offload.host[layer].shape)
-        self.offload.buffer[layer].index_copy_(0, dst, mirror.index_select(0, src))
+        pages_view = self._mirror_pages[layer]
+        self.offload.buffer[layer].index_copy_(0, dst, pages_view.index_select(0, src))
 
     def sync_table(self) -> None:
         """The device tables of every page whose residency changed since the last call."""
