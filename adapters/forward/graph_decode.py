@@ -159,11 +159,11 @@ class GraphKeys:
 
     def _read(self, layer: LayerInput, sel: Selection | None) -> tuple[torch.Tensor, PoolRows]:
         """The compressed pool and rows the layer's queries read (``sel``: its top-k)."""
-        i, source = layer.index, self.cfg.kv_source_of(layer.index)
+        source = self.cfg.kv_source_of(layer.index)
         hs = self._hisparse_of(source)
         if hs is not None:  # HiSparse C4: sparse, read from its buffer or host mirror
             assert sel is not None
-            return hs.gather(i, source, *sel)
+            return hs.gather(source, *sel)
         if sel is not None:
             return self.pools.compressed[source], PoolRows(sel[0], sel[1].sum(-1))
         sm = self.meta.streams[layer.weights.ratio]

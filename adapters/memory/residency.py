@@ -17,31 +17,42 @@ Inside the captured step (tensor ops only, fixed shapes):
   copy always equals its mirror page and the mirror is always current (no backups to wait for);
 * `gather` (the top-k of a query): each entry from the buffer when its page is resident, else
   from the mirror (`kernels.hisparse_gather` on CUDA: masked loads, the bus carries the misses
-  only); the result is a ``(N * k, d)`` pool the attention reads as before. It records the
-  selected pages, and hit / read counters, into fixed device buffers.
+  only); the result is a ``(N * k, d)`` pool the attention reads as before.
+* the *window's records*, per source, in fixed device buffers: ``reads`` (``(host pages + 1,)``
+  int32, each selected entry adds one to its page: `Tensor.index_add_`) and ``wrote`` (the
+  pages an entry was written to), plus hit / read counters. They add up over the graph steps
+  of a *window* (``commit_every`` steps), so the host plans once a window, not once a step.
 
 Outside the graph, on the host:
 
-* `after_step`: queues a non-blocking copy of the step's records (selected pages, written
-  entry slots) to pinned buffers, with an event;
+* `after_step`: ends the window after its ``commit_every``-th step (`_flush`: a non-blocking
+  copy of the records to pinned buffers, the device records zeroed behind it, an event). A
+  window also ends early, before the step that would follow it, when the cache ended page lives
+  (`before_step`: a freed page id may start a new life, whose writes must not merge with the
+  old life's), and before an eager step (its `C4Offload.begin_step` commits first);
 * `commit` (`after_launch`: right after the *next* graph step is launched, so the host plans
   while the device runs it; or an eager step's `C4Offload.begin_step`, first): waits for that
-  event (long done), and per layer plans with the coordinator: reads = the previous step's
-  resident pages (LRU stamps) plus at most ``max_swaps`` missed pages (most-read first),
-  writes = the pages written (fresh when their life began in that step), both without the
-  pages whose life ended since (released by the launched step's `begin_step`); copies the
-  swapped-in pages and the newly placed written pages mirror -> buffer on the compute stream,
-  queued behind the launched step (which read the tables as they were); completes both
-  tickets at once (the mirror needed no backup);
+  event (long done), and per layer plans with the coordinator: reads = the window's resident
+  pages (LRU stamps) plus at most ``max_swaps`` missed pages (most-read first), writes = the
+  pages written (fresh when their life began in the window), both without the pages whose life
+  ended since (released by the launched step's `begin_step`); copies the swapped-in pages and
+  the newly placed written pages mirror -> buffer on the compute stream, queued behind the
+  launched step (which read the tables as they were); completes both tickets at once (the
+  mirror needed no backup);
 * `sync_table` (before the next replay): uploads the slots of every page whose residency
   changed — by this path, by eager steps (`C4Offload.touched`) or by releases. A plan thus
-  reaches the device two steps after the selection it came from.
+  reaches the device two steps after the window it came from ends.
+
+``commit_every=1`` plans from the previous step alone. Larger windows divide the host's
+planning cost (about half a millisecond a commit for two C4 sources on the H200's host,
+bench/hisparse_commit.py) by the window length, for a plan up to ``commit_every`` steps older
+(docs/hisparse.md, "Planning once a window").
 
 Exactness: every entry a step reads comes from the mirror, which holds every write (write-
 through), or from a buffer slot that the table maps to the page, and a mapped slot holds the
 mirror page's data (swap-ins and placements copy the mirror page; resident pages get every
 write). A missed page costs a slower read, never a wrong one. Swap-ins per layer-step are at
-most ``max_swaps`` plus the pages written that step (at most one per query row).
+most ``max_swaps`` plus the pages written in the window, per commit.
 """
 
 from __future__ import annotations
@@ -55,7 +66,6 @@ import torch
 from adapters.kernels import PoolRows
 from adapters.memory.pinned_view import mapped_view
 from adapters.model.model_config import ModelConfig
-from hisparse.inputs import distinct
 
 if TYPE_CHECKING:
     from adapters.memory.offload import C4Offload
@@ -68,9 +78,21 @@ class ZeroCopyUnavailable(RuntimeError):
 @dataclass
 class GraphStats:
     steps: int = 0
+    commits: int = 0  # windows planned (`GraphResidency.commit_every` steps or fewer each)
     swap_in_pages: int = 0  # pages copied mirror -> buffer after a step (misses + placements)
     missed_pages: int = 0  # distinct pages read from the mirror, summed over layer-steps
     dropped_misses: int = 0  # missed pages beyond max_swaps (read zero-copy, not swapped in)
+
+
+#: graph steps per planning window by default (docs/hisparse.md, "Planning once a window")
+COMMIT_EVERY = 8
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """An ended window whose records are on their way to the host buffers."""
+
+    event: torch.cuda.Event | None
 
 
 def gather_reference(
@@ -85,15 +107,20 @@ def gather_reference(
 class GraphResidency:
     """The device side of HiSparse graph decode over ``offload`` (see the module docstring).
     ``max_rows``: the most query rows of a step (batch x tokens per request); ``max_swaps``:
-    the bound on missed pages swapped in per layer-step (default: the top-k)."""
+    the bound on missed pages swapped in per layer and commit (default: the top-k);
+    ``commit_every``: graph steps per window (one plan each, `COMMIT_EVERY` by default)."""
 
     def __init__(
-        self, offload: C4Offload, model: ModelConfig, max_rows: int, max_swaps: int | None = None
-    ) -> None:
+        self, offload: C4Offload, model: ModelConfig, max_rows: int, max_swaps: int | None = None,
+        commit_every: int | None = None,
+    ) -> None:  # fmt: skip
         self.offload, self.spp = offload, offload.spp
         self.max_swaps = model.index_topk if max_swaps is None else max_swaps
-        if self.max_swaps < 0:
-            raise ValueError(f"max_swaps must be >= 0, got {self.max_swaps}")
+        self.commit_every = COMMIT_EVERY if commit_every is None else commit_every
+        for name, value, least in (("max_swaps", self.max_swaps, 0),
+                                   ("commit_every", self.commit_every, 1)):  # fmt: skip
+            if type(value) is not int or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
         dev, pages = offload.device, offload.coordinator.config.max_host_pages
         self.host_rows = pages * self.spp  # the mirror's sentinel page starts here
         self.buf_sentinel = offload.device_pages * self.spp
@@ -103,26 +130,23 @@ class GraphResidency:
         self._mirror_pages = {i: m.view(offload.host[i].shape) for i, m in self.mirror.items()}
         self.rows = {i: offload.buffer[i].view(-1, offload.buffer[i].shape[-1])
                      for i in offload.layers}  # fmt: skip
-        #: the C4 layers reading each source's KV (a source, its consumers under sharing)
-        self.readers = {s: [i for i in range(model.num_layers)
-                            if model.compress_ratios[i] == 4 and model.kv_source_of(i) == s]
-                        for s in offload.layers}  # fmt: skip
-        k = model.index_topk
-        self.selected = {i: torch.full((max_rows, k), -1, dtype=torch.int32, device=dev)
-                         for rs in self.readers.values() for i in rs}  # fmt: skip
-        self.written = {i: torch.full((max_rows,), -1, dtype=torch.long, device=dev)
-                        for i in offload.layers}  # fmt: skip
+        # the window's records (index `pages`: the sentinel page, for padding and no write)
+        self.reads = {i: torch.zeros(pages + 1, dtype=torch.int32, device=dev)
+                      for i in offload.layers}  # fmt: skip
+        self.wrote = {i: torch.zeros(pages + 1, dtype=torch.bool, device=dev)
+                      for i in offload.layers}  # fmt: skip
+        self._ones = torch.ones(max_rows * model.index_topk, dtype=torch.int32, device=dev)
         self.counts = torch.zeros(2, dtype=torch.long, device=dev)  # entries hit, entries read
         self.max_rows, self.stats = max_rows, GraphStats()
-        self._pending: tuple[dict, dict, int, torch.cuda.Event | None] | None = None
-        self._deferring, self._ended = False, list[np.ndarray]()
         self._cuda = dev.type == "cuda"
-        # the records' host copies (pinned on CUDA), reused by every `after_step`: `commit`
-        # reads them before the next `after_step` overwrites them
-        self._host = {name: {i: torch.empty(t.shape, dtype=t.dtype, pin_memory=self._cuda)
-                             for i, t in records.items()}
-                      for name, records in (("selected", self.selected),
-                                            ("written", self.written))}  # fmt: skip
+        self._open = 0  # graph steps recorded since the window began
+        self._pending: _Pending | None = None  # an ended window's records, to commit
+        self._deferring, self._ended = False, list[np.ndarray]()
+        # the records' host copies (pinned on CUDA), reused by every window: `commit` reads
+        # them before the next `_flush` overwrites them
+        self._host = {i: (torch.empty(pages + 1, dtype=torch.int32, pin_memory=self._cuda),
+                          torch.empty(pages + 1, dtype=torch.bool, pin_memory=self._cuda))
+                      for i in offload.layers}  # fmt: skip
         self._mark = np.zeros(pages, np.bool_)  # `sync_table`'s scratch: all False between calls
         offload.on_begin.append(self.commit)
         for j in range(len(offload.layers)):  # the table starts as the coordinator's
@@ -156,10 +180,10 @@ class GraphResidency:
         values = entries.to(rows.dtype)
         rows[brow] = values
         self.mirror[layer][entry_slot] = values
-        self.written[layer][: entry_slot.shape[0]] = entry_slot
+        self.wrote[layer][entry_slot // spp] = True
 
     def gather(
-        self, reader: int, source: int, slots: torch.Tensor, valid: torch.Tensor
+        self, source: int, slots: torch.Tensor, valid: torch.Tensor
     ) -> tuple[torch.Tensor, PoolRows]:
         """The entries at ``slots`` ``(N, k)`` (``valid``: a prefix of each row) of ``source``
         as a pool of ``N * k`` rows, query ``n`` reading rows ``[n * k, n * k + count)``."""
@@ -177,7 +201,9 @@ class GraphResidency:
         else:
             out = gather_reference(buf, mirror, brow, mrow, flat_hit)
         n, k = slots.shape
-        self.selected[reader][:n] = torch.where(valid, page, -1).to(torch.int32)
+        sentinel = self.table[source].shape[0] - 1
+        self.reads[source].index_add_(0, torch.where(valid, page, sentinel).reshape(-1),
+                                      self._ones[: n * k])  # fmt: skip
         self.counts += torch.stack((hit.sum(), valid.sum()))
         table = torch.arange(n * k, device=slots.device).view(n, k)
         return out, PoolRows(table, valid.sum(-1))
@@ -186,67 +212,92 @@ class GraphResidency:
 
     def before_step(self) -> None:
         """Before a graph step is loaded: copies drained, the pages the cache freed released
-        (`C4Offload.begin_step`), the device tables current. The last graph step's records
-        are committed after this step is launched (`after_launch`), so the host plans while
-        the device runs; an eager step's `begin_step` commits them first instead."""
+        (`C4Offload.begin_step`), the device tables current. An ended window is committed after
+        this step is launched (`after_launch`), so the host plans while the device runs; an
+        eager step's `begin_step` commits it first instead. Releases end the open window: its
+        records belong to the lives that just ended."""
         self.offload.drain()
         self._deferring = True
         try:
             self.offload.begin_step()
         finally:
             self._deferring = False
+        ended = self.offload.last_ended
+        if len(ended) and self._open:
+            self._flush()
         if self._pending is not None:  # their lives ended after the records were taken
-            self._ended.append(self.offload.last_ended)
+            self._ended.append(ended)
         self.sync_table()
 
     def after_launch(self) -> None:
         """Right after a graph step was launched (before its `after_step`): commits the last
-        step's records. Its copies and table changes are queued behind the launched step,
-        which reads the tables as they were (exact: a mapped slot holds its page, every write
-        goes through to the mirror), and the next step sees them."""
-        self.commit()
+        ended window. Its copies and table changes are queued behind the launched step, which
+        reads the tables as they were (exact: a mapped slot holds its page, every write goes
+        through to the mirror), and the next step sees them. The open window stays open: its
+        records would wait for the launched step."""
+        self._commit_pending()
 
     def after_step(self, rows: int) -> None:
-        """After a graph step of ``rows`` query rows was queued: its records to the host,
-        without waiting (read at the next `commit`)."""
+        """After a graph step of ``rows`` query rows was queued: the window ends after its
+        ``commit_every``-th step (its records to the host, without waiting)."""
+        del rows  # the records are per page, whatever the step's rows
+        self.stats.steps += 1
+        self._open += 1
+        if self._open >= self.commit_every:
+            self._flush()
 
-        nb, host = self._cuda, self._host
-        selected = {i: host["selected"][i][:rows].copy_(t[:rows], non_blocking=nb)
-                    for i, t in self.selected.items()}  # fmt: skip
-        written = {i: host["written"][i][:rows].copy_(t[:rows], non_blocking=nb)
-                   for i, t in self.written.items()}  # fmt: skip
+    def _flush(self) -> None:
+        """Ends the open window: its records queued to the host buffers (an event marks them),
+        the device records zeroed behind the copies for the next window."""
+        if self._pending is not None:  # never two windows in flight: the host buffers are one
+            self._commit_pending()
+        nb = self._cuda
+        for layer, (reads, wrote) in self._host.items():
+            reads.copy_(self.reads[layer], non_blocking=nb)
+            wrote.copy_(self.wrote[layer], non_blocking=nb)
+            self.reads[layer].zero_()
+            self.wrote[layer].zero_()
         event = None
         if self._cuda:  # pragma: no cover - CUDA only
             event = torch.cuda.Event()
             event.record()
-        self._pending = (selected, written, rows, event)
-        self.stats.steps += 1
+        self._pending, self._open = _Pending(event), 0
 
     def commit(self) -> None:
-        """Plans the last graph step's reads and writes with the coordinator (bounded swap-ins
-        of its missed pages, its written pages placed) and copies them mirror -> buffer."""
+        """Ends the open window and plans it (an eager step's `C4Offload.begin_step`: the
+        records must be planned before the pages it releases are forgotten)."""
+        if self._deferring:
+            return
+        if self._open:
+            self._flush()
+        self._commit_pending()
+
+    def _commit_pending(self) -> None:
+        """Plans the ended window's reads and writes with the coordinator (bounded swap-ins of
+        its missed pages, its written pages placed) and copies them mirror -> buffer."""
         if self._pending is None or self._deferring:
             return
-        selected, written, _, event = self._pending
+        event = self._pending.event
         self._pending = None
         ended = np.concatenate([np.zeros(0, np.int64), *self._ended])
         self._ended.clear()
         if event is not None:  # pragma: no cover - CUDA only
             event.synchronize()
+        pages = len(self._mark)
         for j, source in enumerate(self.offload.layers):
-            parts = [selected[i].numpy().reshape(-1) for i in self.readers[source]]
-            reads = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            wrote = written[source].numpy()
-            writes = distinct(wrote[wrote < self.host_rows] // self.spp)
+            reads, wrote = self._host[source]
+            writes = np.flatnonzero(wrote.numpy()[:pages])
             if len(ended):  # pages released since: nothing to plan for them
                 writes = writes[~np.isin(writes, ended)]
-            self._commit_layer(j, source, *read_counts(reads, writes, ended), writes)
+            counts = reads.numpy()[:pages]
+            self._commit_layer(j, source, window_reads(counts, writes, ended), counts, writes)
+        self.stats.commits += 1
 
     def _commit_layer(
         self, j: int, layer: int, pages: np.ndarray, counts: np.ndarray, writes: np.ndarray
     ) -> None:
         """``pages``: the distinct pages read (ascending), without ``writes`` (placed anyway)
-        or pages released since; ``counts``: reads by page (`read_counts`). The plan keeps the
+        or pages released since; ``counts``: reads by page (`window_reads`). The plan keeps the
         most-read misses, then the most-read hits, that fit."""
         off, coord = self.offload, self.offload.coordinator
         resident = coord.resident(j, pages)
@@ -303,18 +354,13 @@ class GraphResidency:
         return int(hit), int(read)
 
 
-def read_counts(
-    reads: np.ndarray, writes: np.ndarray, ended: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct pages of ``reads`` (selected pages, ``-1`` for none), ascending, without
-    ``writes`` or ``ended``, and the reads of each page by page id: one count over the page
-    range (`np.bincount`), no sort. An id past the range survives, for the coordinator to
-    reject."""
-    counts = np.bincount(np.maximum(reads, -1) + 1)[1:]  # -1 (none) lands in the dropped bin 0
+def window_reads(counts: np.ndarray, writes: np.ndarray, ended: np.ndarray) -> np.ndarray:
+    """The pages a window read (``counts``: reads by page id, zeroed here for ``writes`` and
+    ``ended``), ascending, without ``writes`` (placed anyway) or ``ended`` (released)."""
     for drop in (writes, ended):
         if len(drop):
-            counts[drop[(drop >= 0) & (drop < len(counts))]] = 0
-    return np.flatnonzero(counts.astype(np.bool_)), counts  # (a bool mask: twice as fast)
+            counts[drop] = 0
+    return np.flatnonzero(counts.astype(np.bool_))  # (a bool mask: twice as fast)
 
 
 def most_read(pages: np.ndarray, counts: np.ndarray, n: int) -> np.ndarray:

@@ -1,0 +1,134 @@
+"""HiSparse graph decode plans once a window of ``commit_every`` graph steps
+(`adapters.memory.residency.GraphResidency`): every window length emits the all-resident
+Runner's greedy tokens, the window ends after its ``commit_every``-th step, and a window ends
+early when the cache ends page lives (its records belong to the old lives: planning a read of a
+released page would ask the coordinator for data it dropped)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from small_models import one_thread
+from test_hisparse_graph import (
+    BUFFER_PAGES,
+    MODEL,
+    NEW_TOKENS,
+    generate,
+    make_runner,
+    residency,
+    resident_outputs,
+)
+
+from adapters.engine.runner import Runner
+from adapters.engine.sampling import SamplingParams
+from adapters.memory.residency import COMMIT_EVERY, GraphResidency, window_reads
+from hisparse.errors import MissingPageDataError
+
+_one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
+
+
+@pytest.mark.parametrize("every", [1, 3, COMMIT_EVERY, 1000])
+def test_every_window_length_equals_all_resident(every: int) -> None:
+    runner = make_runner(BUFFER_PAGES)
+    res = residency(runner)
+    res.commit_every = every
+    assert generate(runner) == resident_outputs()
+    st = res.stats
+    assert st.steps >= NEW_TOKENS - 1 and st.missed_pages > 0
+    if every == 1:  # a plan after every graph step (the last one's waits for the next step)
+        assert st.commits >= st.steps - 1
+    if every == 1000:  # only eager steps (mixed with these prefills) and releases end one
+        assert st.commits < st.steps - 10
+    runner.offload.drain()  # type: ignore[union-attr]
+    runner.offload.coordinator.check_invariants()  # type: ignore[union-attr]
+
+
+def test_the_window_ends_after_its_last_step() -> None:
+    runner = make_runner(BUFFER_PAGES)
+    res = residency(runner)
+    res.commit_every = 4
+    opens = []
+    after_step = res.after_step
+
+    def record(rows: int) -> None:
+        after_step(rows)
+        opens.append((res._open, res._pending is not None))
+
+    res.after_step = record  # type: ignore[method-assign]
+    generate(runner)
+    assert all(n < 4 for n, _ in opens)
+    assert all(pending == (n == 0) for n, pending in opens)  # ended now: pending until launch
+    assert (1, False) in opens and (3, False) in opens and (0, True) in opens
+
+
+def _before_step_without_early_end(res: GraphResidency) -> None:
+    """`GraphResidency.before_step` without ending the open window on releases (the bug this
+    file's release test must catch)."""
+    res.offload.drain()
+    res._deferring = True
+    try:
+        res.offload.begin_step()
+    finally:
+        res._deferring = False
+    if res._pending is not None:
+        res._ended.append(res.offload.last_ended)
+    res.sync_table()
+
+
+def _evict_mid_window(hisparse: int | None, early_end: bool = True) -> tuple[Runner, list]:
+    """Two requests; once the short one finished and the open window holds graph steps
+    after it (its reads of its own pages in the window), every unlocked tree page is
+    evicted, then decoding goes on to the end. Returns the runner and the outputs."""
+    runner = make_runner(hisparse)
+    res = residency(runner) if hisparse is not None else None
+    if res is not None:
+        res.commit_every = 1000
+        if not early_end:
+            res.before_step = lambda: _before_step_without_early_end(res)  # type: ignore
+    rng = np.random.default_rng(3)
+    ids = [runner.submit(rng.integers(0, 256, n).tolist(), SamplingParams(max_new_tokens=m))
+           for n, m in ((70, 4), (40, 30))]  # fmt: skip
+    done: list = []
+    while not done:
+        done += runner.step()
+    done += runner.step() + runner.step()  # graph steps of the long request alone
+    assert res is None or res._open >= 2  # ... in the open window, with the short one's
+    assert runner.cache.evict(full_tokens=runner.cache.config.full_capacity).full_pages > 0
+    done += runner.step()  # with HiSparse: releases the evicted pages (`begin_step`)
+    if res is not None:
+        res.commit()  # an eager step's commit: plans the window the release fell in
+    while runner.num_pending:
+        done += runner.step()
+    outputs = {r.request_id: r.output for r in done}
+    return runner, [outputs[i] for i in ids]
+
+
+def test_released_pages_end_the_window() -> None:
+    runner, outputs = _evict_mid_window(BUFFER_PAGES)
+    assert [len(o) for o in outputs] == [4, 30]
+    assert outputs == _evict_mid_window(None)[1]
+    runner.offload.drain()  # type: ignore[union-attr]
+    runner.offload.coordinator.check_invariants()  # type: ignore[union-attr]
+
+
+def test_a_window_across_a_release_plans_dropped_pages() -> None:
+    """Without the early end, the window's reads of the evicted pages are planned after the
+    coordinator released them: it refuses (no data), so the early end is what keeps the run
+    going."""
+    with pytest.raises(MissingPageDataError):
+        _evict_mid_window(BUFFER_PAGES, early_end=False)
+
+
+def test_window_reads_drops_written_and_released_pages() -> None:
+    counts = np.array([0, 2, 1, 0, 5, 1], np.int32)
+    pages = window_reads(counts, np.array([2]), np.array([5]))
+    assert pages.tolist() == [1, 4]
+    assert counts.tolist() == [0, 2, 0, 0, 5, 0]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_bad_commit_every_is_refused(bad: object) -> None:
+    runner = make_runner(BUFFER_PAGES)
+    assert runner.offload is not None
+    with pytest.raises(ValueError, match="commit_every"):
+        GraphResidency(runner.offload, MODEL, max_rows=4, commit_every=bad)  # type: ignore[arg-type]
