@@ -30,6 +30,7 @@ from adapters.memory.offload import C4Offload  # noqa: E402
 from adapters.memory.pools import KVPools  # noqa: E402
 from adapters.model.model_config import preset  # noqa: E402
 from adapters.model.weights import init_weights  # noqa: E402
+from bench.meta import run_meta  # noqa: E402
 from shadowradix import ShadowRadixCache  # noqa: E402
 
 GIB = 2**30
@@ -41,7 +42,10 @@ def cache_config(model, tokens: int, page: int, swa_tokens: int):
     return model.cache_config(page_size=page, full_capacity=full, swa_capacity=swa_tokens)
 
 
-def gpu_bytes(model, tokens, page, offload_pages: int | None) -> int:
+def gpu_bytes(model, tokens, page, offload_pages: int | None, graph: bool = False) -> int:
+    """GPU bytes of the pools (and with ``offload_pages``, HiSparse's device buffers; with
+    ``graph``, `GraphResidency`'s per host page tensors too: the device page table, the
+    window's read counts and written flags, per C4 source)."""
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     cc = cache_config(model, tokens, page, 64 * 1024)
@@ -54,6 +58,10 @@ def gpu_bytes(model, tokens, page, offload_pages: int | None) -> int:
             for r in model.compress_ratios
             if r == 4
         ]
+        host_pages = -(-tokens // page) + 1
+        for _ in range(sum(1 for r in model.compress_ratios if r == 4) if graph else 0):
+            buffers += [torch.empty(host_pages, dtype=d, device="cuda")
+                        for d in (torch.int64, torch.int32, torch.bool)]  # fmt: skip
     used = torch.cuda.memory_allocated() - base
     del pools, buffers
     torch.cuda.empty_cache()
@@ -62,13 +70,15 @@ def gpu_bytes(model, tokens, page, offload_pages: int | None) -> int:
 
 def capacity(model, page: int, budget: int, buffer_pages: int) -> list[dict]:
     rows = []
-    for name, pages in (("all resident", None), ("HiSparse", buffer_pages)):
+    arms = (("all resident", None, False), ("HiSparse", buffer_pages, False),
+            ("HiSparse, graph decode", buffer_pages, True))  # fmt: skip
+    for name, pages, graph in arms:
         a, b = 1 << 20, 2 << 20
-        ba, bb = gpu_bytes(model, a, page, pages), gpu_bytes(model, b, page, pages)
+        ba, bb = gpu_bytes(model, a, page, pages, graph), gpu_bytes(model, b, page, pages, graph)
         per_token = (bb - ba) / (b - a)
         fixed = ba - per_token * a
         fit = int((budget - fixed) / per_token) // page * page
-        used = gpu_bytes(model, fit, page, pages)  # confirm: allocate the whole thing
+        used = gpu_bytes(model, fit, page, pages, graph)  # confirm: allocate the whole thing
         host = (
             0.0
             if pages is None
@@ -205,6 +215,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--buffer-fractions", default="0.1,0.2,0.3")
     ap.add_argument("--skip-capacity", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true", help="the capacity part only")
     ap.add_argument("--json")
     ap.add_argument("--device", default="cuda", help="cpu: a functional smoke run only")
     args = ap.parse_args()
@@ -218,8 +229,14 @@ def main() -> int:
         out["capacity"] = capacity(
             model, args.page_size, int(args.budget_gib * GIB), args.buffer_pages
         )
-        ratio = out["capacity"][1]["tokens_fit"] / out["capacity"][0]["tokens_fit"]
-        print(f"capacity ratio HiSparse / resident: {ratio:.2f}x", flush=True)
+        fits = [row["tokens_fit"] for row in out["capacity"]]
+        print(f"capacity ratio HiSparse / resident: {fits[1] / fits[0]:.2f}x; graph decode: "
+              f"{fits[2] / fits[0]:.2f}x", flush=True)  # fmt: skip
+    if args.skip_decode:
+        if args.json:
+            out["meta"] = run_meta()
+            Path(args.json).write_text(json.dumps(out, indent=1))
+        return 0
     weights = init_weights(model, DEVICE, DTYPE)
     print(
         "| buffer | pages | step ms | tokens/s | vs resident | distinct pages read / layer | "
