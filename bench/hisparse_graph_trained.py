@@ -86,6 +86,10 @@ def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignor
         sync(runner.device)
         times.append(time.perf_counter() - t)
     times = times[: args.steps]
+    failed = [r for r in done if r.error is not None]
+    if failed or not times:
+        raise SystemExit(f"{len(failed)} requests failed, {len(times)} steps timed: "
+                         f"{failed[0].error if failed else 'none decoded'}")  # fmt: skip
     by_id = {r.request_id: r.output for r in done}
     row = dict(prefill_s=round(prefill_s, 3), step_ms=1e3 * statistics.median(times),
                mean_step_ms=1e3 * statistics.fmean(times), steps=len(times),
