@@ -180,7 +180,7 @@ class GraphResidency:
         values = entries.to(rows.dtype)
         rows[brow] = values
         self.mirror[layer][entry_slot] = values
-        self.wrote[layer][entry_slot // spp] = True
+        self.wrote[layer].index_fill_(0, entry_slot // spp, True)  # (no host value copy)
 
     def gather(
         self, source: int, slots: torch.Tensor, valid: torch.Tensor
