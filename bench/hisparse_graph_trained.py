@@ -68,8 +68,8 @@ def sync(device: torch.device) -> None:
 
 
 def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignore[no-untyped-def]
-    ids = [runner.submit(d, SamplingParams(max_new_tokens=args.steps + args.warmup + 1))
-           for d in docs]  # fmt: skip
+    new = args.steps + args.warmup + args.profile_steps + 1
+    ids = [runner.submit(d, SamplingParams(max_new_tokens=new)) for d in docs]
     t0, done = time.perf_counter(), []
     while runner.num_prefilling:
         done += runner.step()
@@ -78,14 +78,17 @@ def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignor
         done += runner.step()
     hs = runner.decoder.hisparse if hasattr(runner.decoder, "hisparse") else None
     before = None if hs is None else dict(vars(hs.stats))
-    times = []
-    while runner.num_pending:
+    times: list[float] = []
+    while runner.num_pending and len(times) < args.steps:
         sync(runner.device)
         t = time.perf_counter()
         done += runner.step()
         sync(runner.device)
         times.append(time.perf_counter() - t)
-    times = times[: args.steps]
+    if args.profile_steps:
+        done += profile_steps(runner, args.profile_steps)
+    while runner.num_pending:
+        done += runner.step()
     failed = [r for r in done if r.error is not None]
     if failed or not times:
         raise SystemExit(f"{len(failed)} requests failed, {len(times)} steps timed: "
@@ -97,6 +100,39 @@ def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignor
     if hs is not None and before is not None:
         row["graph_stats"] = {k: v - before[k] for k, v in vars(hs.stats).items()}
     return row
+
+
+def profile_steps(runner: Runner, steps: int) -> list:
+    """``steps`` decode steps under torch.profiler (host and device) and cProfile: prints the
+    top device ops, the device busy time per step, and the top host functions."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    done: list = []
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda"
+                                     else [])  # fmt: skip
+    prof, host = profile(activities=acts), cProfile.Profile()
+    sync(runner.device)
+    t0 = time.perf_counter()
+    with prof:
+        host.enable()
+        for _ in range(steps):
+            done += runner.step()
+        sync(runner.device)
+        host.disable()
+    wall = (time.perf_counter() - t0) / steps
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / steps / 1e3
+    print(f"## profile: {steps} steps, {1e3 * wall:.3f} ms/step wall (profiled), device busy "
+          f"{busy:.3f} ms/step (sum of kernel times)")  # fmt: skip
+    print(events.table(sort_by="self_device_time_total", row_limit=15))
+    out = io.StringIO()
+    pstats.Stats(host, stream=out).sort_stats("cumulative").print_stats(30)
+    print(out.getvalue())
+    return done
 
 
 def main() -> int:
@@ -113,6 +149,8 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=4096, help="prefill tokens per step")
     ap.add_argument("--commit-every", type=int, nargs="+", default=[COMMIT_EVERY],
                     help="graph steps per HiSparse planning window; one arm per value")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after the timed steps, this many under torch.profiler + cProfile")
     ap.add_argument("--json")
     args = ap.parse_args()
     meta = run_meta()
