@@ -78,6 +78,7 @@ def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignor
         done += runner.step()
     hs = runner.decoder.hisparse if hasattr(runner.decoder, "hisparse") else None
     before = None if hs is None else dict(vars(hs.stats))
+    phases = phase_timers(runner) if args.phases else None
     times: list[float] = []
     while runner.num_pending and len(times) < args.steps:
         sync(runner.device)
@@ -85,6 +86,9 @@ def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignor
         done += runner.step()
         sync(runner.device)
         times.append(time.perf_counter() - t)
+    if phases is not None:
+        row_phases = {k: round(statistics.median(v), 4) for k, v in phases.items() if v}
+        print(f"## phases, median ms per call: {row_phases}", flush=True)
     if args.profile_steps:
         done += profile_steps(runner, args.profile_steps)
     while runner.num_pending:
@@ -97,9 +101,50 @@ def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignor
     row = dict(prefill_s=round(prefill_s, 3), step_ms=1e3 * statistics.median(times),
                mean_step_ms=1e3 * statistics.fmean(times), steps=len(times),
                outputs=[by_id[i] for i in ids])  # fmt: skip
+    if phases is not None:
+        row["phases_ms"] = row_phases
     if hs is not None and before is not None:
         row["graph_stats"] = {k: v - before[k] for k, v in vars(hs.stats).items()}
     return row
+
+
+def phase_timers(runner: Runner) -> dict[str, list[float]]:
+    """Wraps the graph decoder's step phases with host timers (ms per call), and its replay
+    with CUDA events (``replay_gpu``: the device time of the captured step, read after each
+    step's synchronisation)."""
+    dec = runner.decoder
+    assert dec is not None
+    times: dict[str, list[float]] = {}
+    targets = [(dec, "step"), (dec, "_replay"), (dec.buffers, "load")]
+    if dec.hisparse is not None:
+        targets += [(dec.hisparse, n) for n in ("before_step", "after_launch", "after_step")]
+    for obj, name in targets:
+        fn, into = getattr(obj, name), times.setdefault(name, [])
+
+        def timed(*a, _fn=fn, _into=into, **k):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            out = _fn(*a, **k)
+            _into.append(1e3 * (time.perf_counter() - t0))
+            return out
+
+        setattr(obj, name, timed)
+    if runner.device.type == "cuda":
+        replay, gpu = dec._replay, times.setdefault("replay_gpu", [])
+        pending: list = []
+
+        def replay_timed(*a, **k):  # type: ignore[no-untyped-def]
+            if pending:  # the last step's: synchronised by now
+                gpu.append(pending[0].elapsed_time(pending[1]))
+                pending.clear()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = replay(*a, **k)
+            end.record()
+            pending.extend((start, end))
+            return out
+
+        dec._replay = replay_timed  # type: ignore[method-assign]
+    return times
 
 
 def profile_steps(runner: Runner, steps: int) -> list:
@@ -151,6 +196,8 @@ def main() -> int:
                     help="graph steps per HiSparse planning window; one arm per value")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after the timed steps, this many under torch.profiler + cProfile")
+    ap.add_argument("--phases", action="store_true",
+                    help="time the graph step's phases (host timers, CUDA events on the replay)")
     ap.add_argument("--json")
     args = ap.parse_args()
     meta = run_meta()
@@ -161,7 +208,7 @@ def main() -> int:
     docs = documents(args)
     pages = sum(-(-len(d) // args.page_size) for d in docs)  # C4 pages the batch holds
     buffer = max(model.index_topk + 2, int(args.buffer_fraction * pages))
-    arms = {"resident": (None, None)}
+    arms: dict[str, tuple[int | None, int | None]] = {"resident": (None, None)}
     arms.update({f"hisparse_every_{n}": (buffer, n) for n in args.commit_every})
     rows = {}
     for name, (b, every) in arms.items():
