@@ -115,11 +115,19 @@ def phase_timers(runner: Runner) -> dict[str, list[float]]:
     dec = runner.decoder
     assert dec is not None
     times: dict[str, list[float]] = {}
-    targets = [(dec, "step"), (dec, "_replay"), (dec.buffers, "load")]
+    import adapters.forward.graph_decode as graph_decode
+    import adapters.memory.block_tables as block_tables
+
+    targets = [(dec, "step"), (dec, "_replay"), (dec.buffers, "load"),
+               (dec.buffers.tables, "apply"), (dec.buffers.tables, "place"),
+               (block_tables, "upload"), (graph_decode, "upload")]  # fmt: skip
     if dec.hisparse is not None:
         targets += [(dec.hisparse, n) for n in ("before_step", "after_launch", "after_step")]
     for obj, name in targets:
         fn, into = getattr(obj, name), times.setdefault(name, [])
+
+        if name == "upload":
+            into = times.setdefault(f"upload ({obj.__name__.rsplit('.', 1)[-1]})", [])
 
         def timed(*a, _fn=fn, _into=into, **k):  # type: ignore[no-untyped-def]
             t0 = time.perf_counter()
@@ -128,6 +136,16 @@ def phase_timers(runner: Runner) -> dict[str, list[float]]:
             return out
 
         setattr(obj, name, timed)
+    if runner.device.type == "cuda":  # the device's backlog when the step's load begins
+        load, wait = dec.buffers.load, times.setdefault("device_backlog_at_load", [])
+
+        def load_after_sync(*a, **k):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            torch.cuda.synchronize()
+            wait.append(1e3 * (time.perf_counter() - t0))
+            return load(*a, **k)
+
+        dec.buffers.load = load_after_sync  # type: ignore[method-assign]
     if runner.device.type == "cuda":
         replay, gpu = dec._replay, times.setdefault("replay_gpu", [])
         pending: list = []
