@@ -102,19 +102,23 @@ class StepBudget:
         return out
 
     def fit_decode_batch(self, seqs: list[_Seq]) -> list[_Seq]:
-        """The decode requests whose working sets fit the HiSparse buffer this step, starting
-        at a rotating offset so that requests left out now go first later (all of ``seqs``
-        without HiSparse)."""
+        """The decode requests whose working sets fit the HiSparse buffer this step (all of
+        ``seqs`` without HiSparse, or when they all fit), in the order of ``seqs``: a request
+        keeps its row of the device block tables from step to step (a new order rewrites
+        every moved row whole). When not all fit, they are chosen from a rotating offset, so
+        that requests left out now go first later."""
         if not seqs or not self.config.hisparse:
             return seqs
+        needs = [self.working_set(seq, 1) for seq in seqs]
+        if sum(needs) <= self.config.device_pages:
+            return seqs
         start = self.scheduler.clock % len(seqs)
-        chosen, pages_left = [], self.config.device_pages
-        for seq in seqs[start:] + seqs[:start]:
-            need = self.working_set(seq, 1)
-            if need <= pages_left:
-                chosen.append(seq)
-                pages_left -= need
-        return chosen
+        chosen, pages_left = set(), self.config.device_pages
+        for i in [*range(start, len(seqs)), *range(start)]:
+            if needs[i] <= pages_left:
+                chosen.add(i)
+                pages_left -= needs[i]
+        return [seq for i, seq in enumerate(seqs) if i in chosen]
 
     # -- the HiSparse device buffer --------------------------------------------------------
 
