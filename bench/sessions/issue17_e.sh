@@ -2,15 +2,15 @@
 # Device session, 2026-12-04: HiSparse graph decode planning once a window of commit_every graph
 # steps (#17 item 1): the trained model on real text (16K and 64K bytes x 8), random weights at
 # 200K x 8, the host commit cost on this host's CPU, and the capacity at a fixed budget with the
-# graph residency's per-page tensors. Under $OUT. Two device calls: PART=1, then PART=2.
+# graph residency's per-page tensors (re-run after the stable decode order; --phases). Under $OUT. Two device calls: PART=1, then PART=2.
 set -u
 cd "$(dirname "$0")/../.."
 source bench/sessions/lib.sh
 if [ "${PART:-1}" = 1 ]; then
 step trained 200 python bench/hisparse_graph_trained.py --device cuda --context 16384 --batch 8 \
-  --steps 64 --commit-every 8 1 4 16 32 --json "$OUT/hisparse_graph_trained_window_h200.json"
+  --steps 64 --phases --commit-every 8 1 4 16 32 --json "$OUT/hisparse_graph_trained_window_h200.json"
 step trained64k 330 python bench/hisparse_graph_trained.py --device cuda --split train \
-  --context 65536 --batch 8 --steps 64 --commit-every 8 1 32 \
+  --context 65536 --batch 8 --steps 64 --phases --commit-every 8 1 32 \
   --json "$OUT/hisparse_graph_trained_window_64k_h200.json"
 else
 step random 300 python bench/hisparse_graph.py --context 200000 --batch 8 --steps 40 \
