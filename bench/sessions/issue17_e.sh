@@ -14,7 +14,7 @@ step trained64k 330 python bench/hisparse_graph_trained.py --device cuda --split
   --json "$OUT/hisparse_graph_trained_window_64k_h200.json"
 else
 step random 300 python bench/hisparse_graph.py --context 200000 --batch 8 --steps 40 \
-  --commit-every 8 1 32 --out "$OUT/hisparse_graph_window_h200.json"
+  --commit-every 8 1 --out "$OUT/hisparse_graph_window_h200.json"
 step commit1 120 python bench/hisparse_commit.py --commit-every 1 \
   --json "$OUT/hisparse_commit_h200host_every1.json"
 step commit8 120 python bench/hisparse_commit.py --commit-every 8 \
