@@ -1,8 +1,8 @@
-"""HiSparse inside graph decode (`adapters.memory.residency.GraphResidency`): the gather kernel
-against its reference under Triton's interpreter, and a graph-decode Runner with a buffer small
-enough that pages miss and swap emitting the all-resident Runner's greedy tokens (also when no
-miss is ever swapped in: every miss read from the mirror). A corrupted device table must change
-the tokens, so the equality can fail."""
+"""HiSparse inside graph decode (`adapters.memory.residency.GraphResidency`): its two kernels
+(`adapters.kernels.hisparse_step`) against their reference under Triton's interpreter, and a
+graph-decode Runner with a buffer small enough that pages miss and swap emitting the
+all-resident Runner's greedy tokens (also when no miss is ever swapped in: every miss read from
+the mirror). A corrupted device table must change the tokens, so the equality can fail."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from small_models import one_thread
 
 from adapters.engine.runner import Runner
 from adapters.engine.sampling import SamplingParams
-from adapters.memory.residency import GraphResidency, gather_reference
+from adapters.kernels import hisparse_reference as reference
+from adapters.memory.residency import GraphResidency
 from adapters.model.model_config import preset
 from adapters.model.weights import ModelWeights, init_weights
 
@@ -32,62 +33,86 @@ _one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
 # ------------------------------------------------------------- the gather, interpreted
 
-KERNELS = ("hisparse_gather",)
+KERNELS = ("hisparse_step",)
 
 
 @pytest.fixture(scope="module")
 def interp():
-    """The interpreted ``hisparse_gather`` module, or None: the checks run in a child."""
+    """The interpreted ``hisparse_step`` module, or None: the checks run in a child."""
     return interpreted_modules(KERNELS)
 
 
 def _operands(rows: int, d: int, dtype: torch.dtype, seed: int):
-    """A buffer of 6 rows and a mirror of 9 (each with a NaN sentinel row last, as the pools'
-    padding rows: a kernel that read the unselected side would return NaN), ``rows`` mixed
-    hit / miss entries indexed as `GraphResidency.gather` indexes them."""
+    """A buffer of 3 pages of 2 rows (the last page the sentinel, NaN but for the last row, so
+    that a kernel reading a wrong buffer row returns NaN) and a mirror of 5 pages, a table
+    mapping mirror pages 0, 2, 3 to buffer pages 1, 0, -1 (page 4: the sentinel), ``rows``
+    slots over the mirror's pages with a random valid mask."""
     gen = torch.Generator().manual_seed(seed)
     buf = torch.randn(6, d, generator=gen).to(dtype)
-    mirror = torch.randn(9, d, generator=gen).to(dtype)
-    buf[-1], mirror[-1] = float("nan"), float("nan")
-    hit = torch.rand(rows, generator=gen) < 0.5
-    brow = torch.where(hit, torch.randint(0, 5, (rows,), generator=gen), 5)
-    mrow = torch.where(hit, 8, torch.randint(0, 8, (rows,), generator=gen))
-    return buf, mirror, brow, mrow, hit
+    mirror = torch.randn(10, d, generator=gen).to(dtype)
+    buf[4] = float("nan")
+    table = torch.tensor([1, -1, 0, -1, -1])
+    slots = torch.randint(0, 8, (rows,), generator=gen)
+    valid = torch.rand(rows, generator=gen) < 0.8
+    slots[~valid] = -7  # padding holds anything
+    return buf, mirror, table, slots, valid
 
 
-def check_gather_mixed_rows(mod) -> None:  # type: ignore[no-untyped-def]
+def _counted(fn, buf, mirror, table, slots, valid):  # type: ignore[no-untyped-def]
+    reads, counts = torch.zeros(5, dtype=torch.int32), torch.zeros(2, dtype=torch.long)
+    out = fn(buf, mirror, table, slots, valid, reads, counts, 2)
+    return out, reads, counts
+
+
+def check_gather_selected(mod) -> None:  # type: ignore[no-untyped-def]
     for rows, d, dtype in [(13, 5, torch.float32), (7, 32, torch.float64), (9, 1, torch.float16),
-                           (1, 24, torch.float32)]:  # fmt: skip
-        buf, mirror, brow, mrow, hit = _operands(rows, d, dtype, seed=rows * d)
-        got = mod.gather_split(buf, mirror, brow, mrow, hit)
-        want = gather_reference(buf, mirror, brow, mrow, hit)
+                           (1, 24, torch.float32), (300, 8, torch.float32)]:  # fmt: skip
+        ops = _operands(rows, d, dtype, seed=rows * d)
+        got, g_reads, g_counts = _counted(mod.gather_selected, *ops)
+        want, w_reads, w_counts = _counted(reference.gather_selected, *ops)
+        _, mirror, table, slots, valid = ops
         assert got.shape == (rows, d) and got.dtype == dtype
-        assert not torch.isnan(want).any()
-        assert torch.equal(got, want), (rows, d, dtype)
-        assert torch.equal(got[hit], buf[brow[hit]]) and torch.equal(got[~hit], mirror[mrow[~hit]])
-
-
-def check_gather_all_hit_all_miss(mod) -> None:  # type: ignore[no-untyped-def]
-    buf, mirror, brow, mrow, _ = _operands(6, 3, torch.float32, seed=1)
-    for hit in (torch.ones(6, dtype=torch.bool), torch.zeros(6, dtype=torch.bool)):
-        b = torch.where(hit, brow.clamp(max=4), 5)
-        m = torch.where(hit, 8, mrow.clamp(max=7))
-        got = mod.gather_split(buf, mirror, b, m, hit)
-        assert torch.equal(got, gather_reference(buf, mirror, b, m, hit))
+        assert not torch.isnan(got).any(), (rows, d, dtype)
+        assert torch.equal(got[valid], want[valid]), (rows, d, dtype)
+        miss = valid & (table[slots.clamp(min=0) // 2] < 0)
+        assert torch.equal(got[miss], mirror[slots[miss]])
+        assert torch.equal(g_reads, w_reads) and torch.equal(g_counts, w_counts)
+        pages = slots[valid] // 2
+        assert torch.equal(w_reads[:4].long(), torch.bincount(pages, minlength=4)[:4])
+        assert w_counts.tolist() == [int(valid.sum() - miss.sum()), int(valid.sum())]
 
 
 def check_gather_zero_rows(mod) -> None:  # type: ignore[no-untyped-def]
-    buf, mirror, _, _, _ = _operands(0, 5, torch.float32, seed=2)
+    buf, mirror, table, _, _ = _operands(0, 5, torch.float32, seed=2)
     none = torch.zeros(0, dtype=torch.long)
-    got = mod.gather_split(buf, mirror, none, none, none.bool())
-    assert got.shape == (0, 5) and got.dtype == torch.float32
+    got, reads, counts = _counted(mod.gather_selected, buf, mirror, table, none, none.bool())
+    assert got.shape == (0, 5) and not reads.any() and not counts.any()
 
 
-CHECKS = ["check_gather_mixed_rows", "check_gather_all_hit_all_miss", "check_gather_zero_rows"]
+def check_store_written(mod) -> None:  # type: ignore[no-untyped-def]
+    for d, dtype in [(5, torch.float32), (32, torch.float64), (3, torch.float16)]:
+        gen = torch.Generator().manual_seed(d)
+        buf, mirror, table, _, _ = _operands(1, d, dtype, seed=d)
+        entry = torch.tensor([0, 5, 6, 8])  # pages 0 (resident), 2 (resident), 3, 4 (none)
+        values = torch.randn(4, d, generator=gen)  # float32: cast to the pools' dtype
+        results = []
+        for fn in (mod.store_written, reference.store_written):
+            b, m, w = buf.clone(), mirror.clone(), torch.zeros(5, dtype=torch.bool)
+            fn(b, m, table, entry, values, w, 2)
+            results.append((b, m, w))
+        (b, m, w), (rb, rm, rw) = results
+        assert torch.equal(m, rm) and torch.equal(w, rw) and w.tolist() == [1, 0, 1, 1, 1]
+        assert torch.equal(m[entry], values.to(dtype))
+        assert torch.equal(b[:4], rb[:4])  # the sentinel page (rows 4, 5) aside
+        assert torch.equal(b[2], values[0].to(dtype)) and torch.equal(b[1], values[1].to(dtype))
+        assert torch.equal(b[[0, 3]], buf[[0, 3]])  # rows no entry maps to are untouched
+
+
+CHECKS = ["check_gather_selected", "check_gather_zero_rows", "check_store_written"]
 
 
 @pytest.mark.parametrize("name", CHECKS)
-def test_gather_split_interpreted(interp, name):  # type: ignore[no-untyped-def]
+def test_hisparse_step_interpreted(interp, name):  # type: ignore[no-untyped-def]
     run_check(interp, globals()[name], KERNELS, CHECKS, __file__)
 
 

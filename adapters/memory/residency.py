@@ -10,18 +10,19 @@ mirror through a zero-copy view (`pinned_view.mapped_view`). Per C4 KV-source la
   coordinator's page table, updated outside the graph by a small host -> device scatter of the
   pages whose residency changed (`sync_table`).
 
-Inside the captured step (tensor ops only, fixed shapes):
+Inside the captured step (fixed shapes; one kernel each, `adapters.kernels.hisparse_step` on
+CUDA, `adapters.kernels.hisparse_reference` elsewhere):
 
 * `store` (a compressed entry completed this step): written to the mirror (zero-copy) **and**,
   when its page is resident, to the buffer slot — write-through, so a resident page's buffer
   copy always equals its mirror page and the mirror is always current (no backups to wait for);
 * `gather` (the top-k of a query): each entry from the buffer when its page is resident, else
-  from the mirror (`kernels.hisparse_gather` on CUDA: masked loads, the bus carries the misses
-  only); the result is a ``(N * k, d)`` pool the attention reads as before.
+  from the mirror (masked loads: the bus carries the misses only); the result is a
+  ``(N * k, d)`` pool the attention reads as before.
 * the *window's records*, per source, in fixed device buffers: ``reads`` (``(host pages + 1,)``
-  int32, each selected entry adds one to its page: `Tensor.index_add_`) and ``wrote`` (the
-  pages an entry was written to), plus hit / read counters. They add up over the graph steps
-  of a *window* (``commit_every`` steps), so the host plans once a window, not once a step.
+  int32, each selected entry adds one to its page) and ``wrote`` (the pages an entry was
+  written to), plus hit / read counters. They add up over the graph steps of a *window*
+  (``commit_every`` steps), so the host plans once a window, not once a step.
 
 Outside the graph, on the host:
 
@@ -58,6 +59,7 @@ most ``max_swaps`` plus the pages written in the window, per commit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -95,13 +97,14 @@ class _Pending:
     event: torch.cuda.Event | None
 
 
-def gather_reference(
-    buf: torch.Tensor, mirror: torch.Tensor, brow: torch.Tensor, mrow: torch.Tensor,
-    hit: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
-    """``out[r] = buf[brow[r]] if hit[r] else mirror[mrow[r]]`` (the torch path: both gathers;
-    `kernels.hisparse_gather.gather_split` reads only one)."""
-    return torch.where(hit[:, None], buf[brow], mirror[mrow])
+def _kernels(cuda: bool) -> ModuleType:
+    if cuda:  # pragma: no cover - CUDA only (the kernels are tested interpreted)
+        from adapters.kernels import hisparse_step
+
+        return hisparse_step
+    from adapters.kernels import hisparse_reference
+
+    return hisparse_reference
 
 
 class GraphResidency:
@@ -123,7 +126,6 @@ class GraphResidency:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
         dev, pages = offload.device, offload.coordinator.config.max_host_pages
         self.host_rows = pages * self.spp  # the mirror's sentinel page starts here
-        self.buf_sentinel = offload.device_pages * self.spp
         self.table = {i: torch.full((pages + 1,), -1, dtype=torch.long, device=dev)
                       for i in offload.layers}  # fmt: skip
         self.mirror = {i: self._mirror(i) for i in offload.layers}
@@ -139,6 +141,8 @@ class GraphResidency:
         self.counts = torch.zeros(2, dtype=torch.long, device=dev)  # entries hit, entries read
         self.max_rows, self.stats = max_rows, GraphStats()
         self._cuda = dev.type == "cuda"
+        #: the graph step's row movers: Triton kernels on CUDA, their torch reference elsewhere
+        self._kernels = _kernels(self._cuda)
         self._open = 0  # graph steps recorded since the window began
         self._pending: _Pending | None = None  # an ended window's records, to commit
         self._deferring, self._ended = False, list[np.ndarray]()
@@ -174,37 +178,19 @@ class GraphResidency:
     def store(self, layer: int, entry_slot: torch.Tensor, entries: torch.Tensor) -> None:
         """Writes the step's completed entries (``entry_slot``: virtual compressed slots, the
         mirror's sentinel for none) to the mirror and, for resident pages, to the buffer."""
-        spp, rows = self.spp, self.rows[layer]
-        slot = self.table[layer][entry_slot // spp]
-        brow = torch.where(slot >= 0, slot * spp + entry_slot % spp, self.buf_sentinel)
-        values = entries.to(rows.dtype)
-        rows[brow] = values
-        self.mirror[layer][entry_slot] = values
-        self.wrote[layer].index_fill_(0, entry_slot // spp, True)  # (no host value copy)
+        self._kernels.store_written(self.rows[layer], self.mirror[layer], self.table[layer],
+                                    entry_slot, entries, self.wrote[layer], self.spp)  # fmt: skip
 
     def gather(
         self, source: int, slots: torch.Tensor, valid: torch.Tensor
     ) -> tuple[torch.Tensor, PoolRows]:
         """The entries at ``slots`` ``(N, k)`` (``valid``: a prefix of each row) of ``source``
         as a pool of ``N * k`` rows, query ``n`` reading rows ``[n * k, n * k + count)``."""
-        spp = self.spp
-        page = slots // spp
-        slot = self.table[source][page]
-        hit = valid & (slot >= 0)
-        brow = torch.where(hit, slot * spp + slots % spp, self.buf_sentinel).reshape(-1)
-        mrow = torch.where(valid & ~hit, slots, self.host_rows).reshape(-1)
-        buf, mirror, flat_hit = self.rows[source], self.mirror[source], hit.reshape(-1)
-        if self._cuda:  # pragma: no cover - CUDA only (the kernel is tested interpreted)
-            from adapters.kernels.hisparse_gather import gather_split
-
-            out = gather_split(buf, mirror, brow, mrow, flat_hit)
-        else:
-            out = gather_reference(buf, mirror, brow, mrow, flat_hit)
         n, k = slots.shape
-        sentinel = self.table[source].shape[0] - 1
-        self.reads[source].index_add_(0, torch.where(valid, page, sentinel).reshape(-1),
-                                      self._ones[: n * k])  # fmt: skip
-        self.counts += torch.stack((hit.sum(), valid.sum()))
+        out = self._kernels.gather_selected(
+            self.rows[source], self.mirror[source], self.table[source], slots.reshape(-1),
+            valid.reshape(-1), self.reads[source], self.counts, self.spp,
+        )  # fmt: skip
         table = torch.arange(n * k, device=slots.device).view(n, k)
         return out, PoolRows(table, valid.sum(-1))
 
