@@ -9,7 +9,9 @@ matters for its loss, not for where its indexer looks) are prefilled through the
 table sync), overlap scheduling off in both arms. One HiSparse arm per ``--commit-every``
 value (graph steps per planning window). Reports the median and the mean ms per step, the
 ratio over the *mean* (target >= 0.95: a window's commit lands in one of its steps, which a
-median would hide), the timed steps' `GraphStats` and whether the greedy tokens are equal.
+median would hide; with ``--repeat`` the median over interleaved repetitions of the ratio to the
+same repetition's all-resident arm), the timed steps' `GraphStats` and whether the greedy
+tokens are equal.
 
     python bench/hisparse_graph_trained.py --device cuda --context 32768 --batch 8 --steps 32
     python bench/hisparse_graph_trained.py --device cpu --context 2048 --batch 2 --steps 4
@@ -212,6 +214,8 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=4096, help="prefill tokens per step")
     ap.add_argument("--commit-every", type=int, nargs="+", default=[COMMIT_EVERY],
                     help="graph steps per HiSparse planning window; one arm per value")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of every arm, interleaved; the ratio is the median paired one")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after the timed steps, this many under torch.profiler + cProfile")
     ap.add_argument("--phases", action="store_true",
@@ -228,17 +232,29 @@ def main() -> int:
     buffer = max(model.index_topk + 2, int(args.buffer_fraction * pages))
     arms: dict[str, tuple[int | None, int | None]] = {"resident": (None, None)}
     arms.update({f"hisparse_every_{n}": (buffer, n) for n in args.commit_every})
+    reps: list[dict[str, dict]] = []
+    for rep in range(args.repeat):  # the arms interleaved, a fresh runner each
+        reps.append({})
+        for name, (b, every) in arms.items():
+            reps[-1][name] = run_arm(make_runner(model, weights, args, b, every), docs, args)
+            print(f"# rep {rep}: {name}: {reps[-1][name]['mean_step_ms']:.3f} ms/step (mean)",
+                  flush=True)  # fmt: skip
     rows = {}
-    for name, (b, every) in arms.items():
-        rows[name] = run_arm(make_runner(model, weights, args, b, every), docs, args)
-        print(f"# {name}: {rows[name]['mean_step_ms']:.3f} ms/step (mean)", flush=True)
-    res = rows["resident"]
-    reference = res.pop("outputs")
-    for name, row in rows.items():
-        if name != "resident":
-            equal = [a == b for a, b in zip(reference, row.pop("outputs"))]
-            row["ratio"] = res["mean_step_ms"] / row["mean_step_ms"]
+    reference = reps[0]["resident"]["outputs"]
+    for name in arms:
+        runs = [r[name] for r in reps]
+        row = dict(runs[0])
+        for key in ("step_ms", "mean_step_ms", "prefill_s"):
+            row[key] = statistics.median(run[key] for run in runs)
+        row["reps_mean_step_ms"] = [run["mean_step_ms"] for run in runs]
+        equal = [a == b for run in runs for a, b in zip(reference, run.pop("outputs"))]
+        row.pop("outputs")
+        if name != "resident":  # paired with the resident arm of its repetition
+            pairs = [r["resident"]["mean_step_ms"] / r[name]["mean_step_ms"] for r in reps]
+            row["ratio"], row["reps_ratio"] = statistics.median(pairs), pairs
             row["equal_share"] = sum(equal) / len(equal)
+        rows[name] = row
+    res = rows["resident"]
     hsp = rows[f"hisparse_every_{args.commit_every[0]}"]
     ratio = hsp["ratio"]
     out = dict(meta=meta, args=vars(args), model="tiny-trained (trained weights, real text)",
