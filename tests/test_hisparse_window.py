@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from small_models import one_thread
 from test_hisparse_graph import (
     BUFFER_PAGES,
@@ -17,6 +18,7 @@ from test_hisparse_graph import (
     make_runner,
     residency,
     resident_outputs,
+    weights,
 )
 
 from adapters.engine.runner import Runner
@@ -26,32 +28,39 @@ from hisparse.errors import MissingPageDataError
 
 _one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
 
+#: a buffer with room for several steps' writes (the 5-page one ends a window every step)
+WINDOW_PAGES = 16
 
-@pytest.mark.parametrize("every", [1, 3, COMMIT_EVERY, 1000])
-def test_every_window_length_equals_all_resident(every: int) -> None:
-    runner = make_runner(BUFFER_PAGES)
+
+@pytest.mark.parametrize(("every", "pages"), [(1, BUFFER_PAGES), (3, BUFFER_PAGES),
+                                              (COMMIT_EVERY, BUFFER_PAGES), (1000, 16)])
+def test_every_window_length_equals_all_resident(every: int, pages: int) -> None:
+    """(1,000 steps with a 16-page buffer: the writes bound ends a window every 4 steps or
+    so, the 5-page buffer's after almost every step; the misses run with the 5-page one.)"""
+    runner = make_runner(pages)
     res = residency(runner)
     res.commit_every = every
     assert generate(runner) == resident_outputs()
     st = res.stats
-    assert st.steps >= NEW_TOKENS - 1 and st.missed_pages > 0
+    assert st.steps >= NEW_TOKENS - 1
+    assert st.missed_pages > 0 or pages > BUFFER_PAGES  # (16 pages hold every page read)
     if every == 1:  # a plan after every graph step (the last one's waits for the next step)
         assert st.commits >= st.steps - 1
-    if every == 1000:  # only eager steps (mixed with these prefills) and releases end one
+    if every == 1000:  # eager steps (mixed with these prefills), releases, the writes bound
         assert st.commits < st.steps - 10
     runner.offload.drain()  # type: ignore[union-attr]
     runner.offload.coordinator.check_invariants()  # type: ignore[union-attr]
 
 
 def test_the_window_ends_after_its_last_step() -> None:
-    runner = make_runner(BUFFER_PAGES)
+    runner = make_runner(6 * BUFFER_PAGES)  # room for 4 steps' writes: the count ends windows
     res = residency(runner)
     res.commit_every = 4
     opens = []
     after_step = res.after_step
 
-    def record(rows: int) -> None:
-        after_step(rows)
+    def record() -> None:
+        after_step()
         opens.append((res._open, res._pending is not None))
 
     res.after_step = record  # type: ignore[method-assign]
@@ -104,7 +113,7 @@ def _evict_mid_window(hisparse: int | None, early_end: bool = True) -> tuple[Run
 
 
 def test_released_pages_end_the_window() -> None:
-    runner, outputs = _evict_mid_window(BUFFER_PAGES)
+    runner, outputs = _evict_mid_window(WINDOW_PAGES)
     assert [len(o) for o in outputs] == [4, 30]
     assert outputs == _evict_mid_window(None)[1]
     runner.offload.drain()  # type: ignore[union-attr]
@@ -116,7 +125,7 @@ def test_a_window_across_a_release_plans_dropped_pages() -> None:
     coordinator released them: it refuses (no data), so the early end is what keeps the run
     going."""
     with pytest.raises(MissingPageDataError):
-        _evict_mid_window(BUFFER_PAGES, early_end=False)
+        _evict_mid_window(WINDOW_PAGES, early_end=False)
 
 
 def test_window_reads_drops_written_and_released_pages() -> None:
@@ -152,3 +161,25 @@ def test_decode_rows_stay_put_when_every_working_set_fits() -> None:
     steps = residency(runner).stats.steps
     assert steps >= NEW_TOKENS - 1
     assert len(loads) <= 3 * 3, loads  # each request placed once, again after a finish at most
+
+
+def _short_requests(hisparse: int | None, every: int, seed: int) -> list:
+    """Eight short requests over a 5-page buffer: one step's working set fits (5 pages), eight
+    requests' writes do not, so the decode batch rotates and a window's written pages would
+    outgrow the buffer if the window did not end first."""
+    cc = MODEL.cache_config(page_size=16, full_capacity=1280, swa_capacity=384)
+    runner = Runner(MODEL, cc, device="cpu", dtype=torch.float64, weights=weights(),
+                    chunk_tokens=64, max_running=8, graph_decode=True,
+                    hisparse_pages=hisparse)  # fmt: skip
+    if hisparse is not None:
+        residency(runner).commit_every = every
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 256, int(rng.integers(8, 30))).tolist() for _ in range(8)]
+    done = runner.generate(prompts, SamplingParams(max_new_tokens=40))
+    assert all(r.error is None for r in done), [r.error for r in done if r.error]
+    return [r.output for r in done]
+
+
+@pytest.mark.parametrize("every", [8, 1000])
+def test_a_window_never_writes_more_pages_than_the_buffer(every: int) -> None:
+    assert _short_requests(BUFFER_PAGES, every, seed=1) == _short_requests(None, 1, seed=1)

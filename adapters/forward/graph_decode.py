@@ -330,8 +330,8 @@ class GraphDecoder:
         else:
             out = self._replay(batch, context)[: len(requests)]
         if self.hisparse is not None:  # the last step planned while this one runs
-            self.hisparse.after_launch()
-            self.hisparse.after_step(batch * self.buffers.num_tokens)
+            self.hisparse.after_launch(batch * self.buffers.num_tokens)
+            self.hisparse.after_step()
         return out
 
     def _replay(self, batch: int, context: int) -> torch.Tensor:  # pragma: no cover

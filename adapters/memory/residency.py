@@ -27,7 +27,8 @@ CUDA, `adapters.kernels.hisparse_reference` elsewhere):
 Outside the graph, on the host:
 
 * `after_step`: ends the window after its ``commit_every``-th step (`_flush`: a non-blocking
-  copy of the records to pinned buffers, the device records zeroed behind it, an event). A
+  copy of the records to pinned buffers, the device records zeroed behind it, an event), or
+  when one more step could write more pages than the buffer holds. A
   window also ends early, before the step that would follow it, when the cache ended page lives
   (`before_step`: a freed page id may start a new life, whose writes must not merge with the
   old life's), and before an eager step (its `C4Offload.begin_step` commits first);
@@ -52,8 +53,9 @@ bench/hisparse_commit.py) by the window length, for a plan up to ``commit_every`
 Exactness: every entry a step reads comes from the mirror, which holds every write (write-
 through), or from a buffer slot that the table maps to the page, and a mapped slot holds the
 mirror page's data (swap-ins and placements copy the mirror page; resident pages get every
-write). A missed page costs a slower read, never a wrong one. Swap-ins per layer-step are at
-most ``max_swaps`` plus the pages written in the window, per commit.
+write). A missed page costs a slower read, never a wrong one. Swap-ins per layer and commit
+are at most ``max_swaps`` plus the pages written in the window, and those never exceed the
+buffer (`after_step` ends a window before they could).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class GraphStats:
     steps: int = 0
     commits: int = 0  # windows planned (`GraphResidency.commit_every` steps or fewer each)
     swap_in_pages: int = 0  # pages copied mirror -> buffer after a step (misses + placements)
-    missed_pages: int = 0  # distinct pages read from the mirror, summed over layer-steps
+    missed_pages: int = 0  # distinct pages read from the mirror, summed over layers and commits
     dropped_misses: int = 0  # missed pages beyond max_swaps (read zero-copy, not swapped in)
 
 
@@ -137,13 +139,12 @@ class GraphResidency:
                       for i in offload.layers}  # fmt: skip
         self.wrote = {i: torch.zeros(pages + 1, dtype=torch.bool, device=dev)
                       for i in offload.layers}  # fmt: skip
-        self._ones = torch.ones(max_rows * model.index_topk, dtype=torch.int32, device=dev)
         self.counts = torch.zeros(2, dtype=torch.long, device=dev)  # entries hit, entries read
         self.max_rows, self.stats = max_rows, GraphStats()
         self._cuda = dev.type == "cuda"
         #: the graph step's row movers: Triton kernels on CUDA, their torch reference elsewhere
         self._kernels = _kernels(self._cuda)
-        self._open = 0  # graph steps recorded since the window began
+        self._open = self._open_rows = 0  # graph steps (and their query rows) in the window
         self._pending: _Pending | None = None  # an ended window's records, to commit
         self._deferring, self._ended = False, list[np.ndarray]()
         # the records' host copies (pinned on CUDA), reused by every window: `commit` reads
@@ -215,21 +216,28 @@ class GraphResidency:
             self._ended.append(ended)
         self.sync_table()
 
-    def after_launch(self) -> None:
-        """Right after a graph step was launched (before its `after_step`): commits the last
-        ended window. Its copies and table changes are queued behind the launched step, which
+    def after_launch(self, rows: int) -> None:
+        """Right after a graph step of ``rows`` query rows was launched (before its
+        `after_step`): its records belong to the open window from now on (counted first, so
+        that a commit that raises leaves them accounted for), then the last ended window is
+        committed. Its copies and table changes are queued behind the launched step, which
         reads the tables as they were (exact: a mapped slot holds its page, every write goes
         through to the mirror), and the next step sees them. The open window stays open: its
         records would wait for the launched step."""
-        self._commit_pending()
-
-    def after_step(self, rows: int) -> None:
-        """After a graph step of ``rows`` query rows was queued: the window ends after its
-        ``commit_every``-th step (its records to the host, without waiting)."""
-        del rows  # the records are per page, whatever the step's rows
         self.stats.steps += 1
         self._open += 1
-        if self._open >= self.commit_every:
+        self._open_rows += rows
+        self._commit_pending()
+
+    def after_step(self) -> None:
+        """After the launched step's `after_launch`: the window ends (its records to the host,
+        without waiting) after its ``commit_every``-th step, or when the next step's writes
+        could take the pages the window wrote past the device buffer (a commit places every
+        page its window wrote; a step writes at most one page per query row)."""
+        if (
+            self._open >= self.commit_every
+            or self._open_rows + self.max_rows > self.offload.device_pages
+        ):
             self._flush()
 
     def _flush(self) -> None:
@@ -247,7 +255,7 @@ class GraphResidency:
         if self._cuda:  # pragma: no cover - CUDA only
             event = torch.cuda.Event()
             event.record()
-        self._pending, self._open = _Pending(event), 0
+        self._pending, self._open, self._open_rows = _Pending(event), 0, 0
 
     def commit(self) -> None:
         """Ends the open window and plans it (an eager step's `C4Offload.begin_step`: the
