@@ -317,7 +317,8 @@ class GraphDecoder:
         """Logits ``(len(requests), V)`` of one decode step; the requests were just extended
         by ``tokens`` (one each). ``deltas``: the step plan's, after any other table changes
         of these requests since the last step (`DecodeBuffers.load`). With HiSparse the last
-        step's selection is planned first (bounded swap-ins) and this step's recorded after."""
+        ended window is planned after this step's launch (`GraphResidency`) and this step's
+        reads and writes join the open window."""
         if self.hisparse is not None:
             self.hisparse.before_step()
         self.buffers.load(requests, tokens, deltas)

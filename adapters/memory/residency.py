@@ -48,7 +48,7 @@ Outside the graph, on the host:
 ``commit_every=1`` plans from the previous step alone. Larger windows divide the host's
 planning cost (about half a millisecond a commit for two C4 sources on the H200's host,
 bench/hisparse_commit.py) by the window length, for a plan up to ``commit_every`` steps older
-(docs/hisparse.md, "Planning once a window").
+(docs/hisparse.md, "Planning once a window, a stable decode order, fused row movers").
 
 Exactness: every entry a step reads comes from the mirror, which holds every write (write-
 through), or from a buffer slot that the table maps to the page, and a mapped slot holds the
@@ -88,7 +88,8 @@ class GraphStats:
     dropped_misses: int = 0  # missed pages beyond max_swaps (read zero-copy, not swapped in)
 
 
-#: graph steps per planning window by default (docs/hisparse.md, "Planning once a window")
+#: graph steps per planning window by default (docs/hisparse.md, "Planning once a
+#: window, a stable decode order, fused row movers")
 COMMIT_EVERY = 8
 
 
