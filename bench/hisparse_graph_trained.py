@@ -80,6 +80,7 @@ def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignor
         done += runner.step()
     hs = runner.decoder.hisparse if hasattr(runner.decoder, "hisparse") else None
     before = None if hs is None else dict(vars(hs.stats))
+    hit0 = None if hs is None else hs.hit_rate()
     phases = phase_timers(runner) if args.phases else None
     times: list[float] = []
     while runner.num_pending and len(times) < args.steps:
@@ -88,6 +89,7 @@ def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignor
         done += runner.step()
         sync(runner.device)
         times.append(time.perf_counter() - t)
+    hit1 = None if hs is None else hs.hit_rate()
     if phases is not None:
         row_phases = {k: round(statistics.median(v), 4) for k, v in phases.items() if v}
         print(f"## phases, median ms per call: {row_phases}", flush=True)
@@ -107,6 +109,9 @@ def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignor
         row["phases_ms"] = row_phases
     if hs is not None and before is not None:
         row["graph_stats"] = {k: v - before[k] for k, v in vars(hs.stats).items()}
+    if hit0 is not None and hit1 is not None:  # entries read from the buffer / entries read
+        hit, read = hit1[0] - hit0[0], hit1[1] - hit0[1]
+        row["entries_read"], row["entry_hit_rate"] = read, round(hit / max(read, 1), 4)
     return row
 
 
@@ -269,7 +274,8 @@ def main() -> int:
         print(
             f"{name:18s} median {r['step_ms']:7.3f} mean {r['mean_step_ms']:7.3f} ms/step  "
             f"prefill {r['prefill_s']:.1f} s  ratio {r.get('ratio', 1.0):.3f}  "
-            f"equal {r.get('equal_share', 1.0):.2f}  {r.get('graph_stats', '')}"
+            f"equal {r.get('equal_share', 1.0):.2f}  {r.get('graph_stats', '')}  "
+            f"entry hits {r.get('entry_hit_rate', '-')} of {r.get('entries_read', '-')}"
         )
     verdict = "met" if ratio >= 0.95 else "NOT met"
     print(
