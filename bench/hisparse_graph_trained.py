@@ -54,7 +54,8 @@ def documents(args: argparse.Namespace) -> list[list[int]]:
 
 def make_runner(model, weights, args, buffer: int | None, every: int | None) -> Runner:  # type: ignore[no-untyped-def]
     p = args.page_size
-    full = -(-(args.batch * (args.context + args.steps + 8) + 4 * args.chunk) // p) * p
+    sized = max(args.context, args.pool_context or 0)  # bytes per document the pools hold
+    full = -(-(args.batch * (sized + args.steps + 8) + 4 * args.chunk) // p) * p
     cc = model.cache_config(page_size=p, full_capacity=full, swa_capacity=full)
     runner = Runner(model, cc, device=weights.device, dtype=weights.dtype, weights=weights,
                     chunk_tokens=args.chunk, max_running=args.batch, graph_decode=True,
@@ -199,10 +200,34 @@ def profile_steps(runner: Runner, steps: int) -> list:
     print(f"## profile: {steps} steps, {1e3 * wall:.3f} ms/step wall (profiled), device busy "
           f"{busy:.3f} ms/step (sum of kernel times)")  # fmt: skip
     print(events.table(sort_by="self_device_time_total", row_limit=15))
+    print_gaps(prof, steps)
     out = io.StringIO()
     pstats.Stats(host, stream=out).sort_stats("cumulative").print_stats(30)
     print(out.getvalue())
     return done
+
+
+def print_gaps(prof, steps: int) -> None:  # type: ignore[no-untyped-def]
+    """From the profiled trace: the device's idle time between consecutive kernels per step,
+    the largest gaps (with the kernels either side), and the host time of each graph launch."""
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    prof.export_chrome_trace(path)
+    trace = json.loads(Path(path).read_text())["traceEvents"]
+    os.unlink(path)
+    kernels = sorted((e for e in trace if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    gaps = [(b["ts"] - (a["ts"] + a["dur"]), a["name"][:40], b["name"][:40])
+            for a, b in zip(kernels, kernels[1:])]  # fmt: skip
+    inner = [g for g in gaps if 0 < g[0] < 200]  # (not the host's time between steps)
+    launch = [e["dur"] for e in trace if e.get("name") == "cudaGraphLaunch"]
+    print(f"## gaps: {len(kernels) / steps:.0f} kernels/step, idle between kernels "
+          f"{sum(g[0] for g in inner) / steps:.1f} us/step in gaps < 200 us; cudaGraphLaunch "
+          f"host us: {sorted(launch)}")  # fmt: skip
+    for gap, before, after in sorted(gaps, reverse=True)[:12]:
+        print(f"##   {gap:8.1f} us after {before} before {after}")
 
 
 def main() -> int:
@@ -211,6 +236,8 @@ def main() -> int:
     ap.add_argument("--data", default=str(default_data()))
     ap.add_argument("--split", choices=("heldout", "train"), default="heldout")
     ap.add_argument("--context", type=int, default=16384, help="bytes per document")
+    ap.add_argument("--pool-context", type=int, default=0,
+                    help="size the pools for documents of this many bytes (default: --context)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=3)
