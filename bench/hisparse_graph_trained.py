@@ -94,6 +94,9 @@ def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignor
     if phases is not None:
         row_phases = {k: round(statistics.median(v), 4) for k, v in phases.items() if v}
         print(f"## phases, median ms per call: {row_phases}", flush=True)
+    if args.probe and runner.device.type == "cuda":
+        row_probe = probe(runner, args.probe)
+        print(f"## probe: {row_probe}", flush=True)
     if args.profile_steps:
         done += profile_steps(runner, args.profile_steps)
     while runner.num_pending:
@@ -108,6 +111,8 @@ def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignor
                outputs=[by_id[i] for i in ids])  # fmt: skip
     if phases is not None:
         row["phases_ms"] = row_phases
+    if args.probe and runner.device.type == "cuda":
+        row["probe"] = row_probe
     if hs is not None and before is not None:
         row["graph_stats"] = {k: v - before[k] for k, v in vars(hs.stats).items()}
     if hit0 is not None and hit1 is not None:  # entries read from the buffer / entries read
@@ -171,6 +176,34 @@ def phase_timers(runner: Runner) -> dict[str, list[float]]:
 
         dec._replay = replay_timed  # type: ignore[method-assign]
     return times
+
+
+def probe(runner: Runner, n: int) -> dict[str, float]:
+    """The last step's graph replayed alone ``n`` times (the device idle before each): the
+    launch's host time and the replay's wall time, median us; and a fixed host-only workload
+    (NumPy and Python, no device), median us: is the host itself slower in this arm?"""
+    import numpy as np
+
+    graphs = runner.decoder.graphs._graphs  # type: ignore[union-attr]
+    graph, _ = graphs[max(graphs, key=lambda key: (key[1], key[0]))]
+    launch, wall, host = [], [], []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        launch.append(1e6 * (t1 - t0))
+        wall.append(1e6 * (t2 - t0))
+        t3 = time.perf_counter()
+        for _ in range(50):
+            np.flatnonzero(np.arange(256) % 3 == 0).sum()
+            sorted(range(64), key=lambda v: -v)
+        host.append(1e6 * (time.perf_counter() - t3))
+    med = statistics.median
+    return dict(launch_us=round(med(launch), 1), replay_wall_us=round(med(wall), 1),
+                host_workload_us=round(med(host), 1))  # fmt: skip
 
 
 def profile_steps(runner: Runner, steps: int) -> list:
@@ -252,6 +285,10 @@ def main() -> int:
                     help="after the timed steps, this many under torch.profiler + cProfile")
     ap.add_argument("--phases", action="store_true",
                     help="time the graph step's phases (host timers, CUDA events on the replay)")
+    ap.add_argument("--probe", type=int, default=0,
+                    help="after the timed steps, replay the last graph alone this many times")
+    ap.add_argument("--hisparse-first", action="store_true",
+                    help="run the HiSparse arms before the all-resident one (order effects)")
     ap.add_argument("--json")
     args = ap.parse_args()
     meta = run_meta()
@@ -264,6 +301,8 @@ def main() -> int:
     buffer = max(model.index_topk + 2, int(args.buffer_fraction * pages))
     arms: dict[str, tuple[int | None, int | None]] = {"resident": (None, None)}
     arms.update({f"hisparse_every_{n}": (buffer, n) for n in args.commit_every})
+    if args.hisparse_first:
+        arms = dict(reversed(list(arms.items())))
     reps: list[dict[str, dict]] = []
     for rep in range(args.repeat):  # the arms interleaved, a fresh runner each
         reps.append({})
