@@ -23,7 +23,7 @@ from test_hisparse_graph import (
 
 from adapters.engine.runner import Runner
 from adapters.engine.sampling import SamplingParams
-from adapters.memory.residency import COMMIT_EVERY, GraphResidency, window_reads
+from adapters.memory.residency import COMMIT_EVERY, GraphResidency, most_read, window_reads
 from hisparse.errors import MissingPageDataError
 
 _one_thread = pytest.fixture(autouse=True, scope="module")(one_thread)
@@ -133,6 +133,18 @@ def test_window_reads_drops_written_and_released_pages() -> None:
     pages = window_reads(counts, np.array([2]), np.array([5]))
     assert pages.tolist() == [1, 4]
     assert counts.tolist() == [0, 2, 0, 0, 5, 0]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_most_read_picks_the_most_read_pages_lower_page_on_ties(seed: int) -> None:
+    """The partition picks what a stable sort by reads (descending) keeps first: few distinct
+    counts, so most picks are decided by the tie rule."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 4, 300).astype(np.int32)
+    pages = np.flatnonzero(rng.random(300) < 0.6)
+    for n in (0, 1, 7, len(pages) // 2, len(pages) - 1, len(pages), len(pages) + 3):
+        expect = pages[np.argsort(-counts[pages], kind="stable")[: max(n, 0)]]
+        assert sorted(most_read(pages, counts, n).tolist()) == sorted(expect.tolist())
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True])
