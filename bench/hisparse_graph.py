@@ -96,6 +96,7 @@ def decode_arm(model: ModelConfig, weights: ModelWeights, point: Point, pages: i
     decoder = GraphDecoder(weights, pools, cc, p.batch, p.max_context,
                            min_context_bucket=p.max_context, hisparse=res)  # fmt: skip
     tokens = [int(r.prompt_remaining[0]) for r in reqs]
+    commits = None if res is None else time_commits(res)
     times: list[float] = []
     before, counts = GraphStatsSnapshot.of(res), (0, 0)
     for i in range(WARMUP + p.steps):
@@ -111,12 +112,48 @@ def decode_arm(model: ModelConfig, weights: ModelWeights, point: Point, pages: i
     row = dict(buffer_pages=pages, c4_pages=p.c4_pages, graphs=decoder.use_graphs,
                commit_every=None if res is None else res.commit_every, step_ms=step_s * 1e3,
                mean_step_ms=mean_s * 1e3, tokens_per_s=p.batch / mean_s)  # fmt: skip
+    row["steps_ms"] = [round(1e3 * t, 3) for t in times[WARMUP:]]
     if res is not None and off is not None:
         row.update(hisparse_row(res, off, before, counts, p.steps))
+    if commits is not None:
+        host, events = commits
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        row["commit_host_ms"] = [round(t, 3) for t in host]
+        row["commit_copy_device_ms"] = [round(a.elapsed_time(b), 3) for a, b in events]
     del decoder, res, off, pools, cache
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def time_commits(res: GraphResidency) -> tuple[list[float], list]:
+    """Wraps ``res``: the host ms of each commit that planned a window, and (CUDA) the device
+    time of each commit's mirror -> buffer copies, as event pairs."""
+    host: list[float] = []
+    events: list = []
+    commit, copy = res._commit_pending, res._copy_pages
+
+    def timed_commit() -> None:
+        busy = res._pending is not None
+        t0 = time.perf_counter()
+        commit()
+        if busy:
+            host.append(1e3 * (time.perf_counter() - t0))
+
+    def timed_copy(*a, **k):  # type: ignore[no-untyped-def]
+        if res.offload.device.type != "cuda":
+            return copy(*a, **k)
+        pair = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        pair[0].record()
+        out = copy(*a, **k)
+        pair[1].record()
+        events.append(pair)
+        return out
+
+    res._commit_pending = timed_commit  # type: ignore[method-assign]
+    res._copy_pages = timed_copy  # type: ignore[method-assign]
+    return host, events
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +253,10 @@ def report(resident: dict, hisparse: dict, ratio: float) -> None:
           f"{hisparse['graph_stats']}; entry hit rate {hisparse['entry_hit_rate']:.1%}; per "
           f"layer-step {hisparse['missed_pages_per_layer_step']:.1f} missed pages, "
           f"{hisparse['swap_in_pages_per_layer_step']:.1f} swapped in", flush=True)  # fmt: skip
+    for name, row in (("all resident", resident), ("HiSparse", hisparse)):
+        print(f"{name} steps ms: {row['steps_ms']}")
+    print(f"HiSparse commits, host ms: {hisparse.get('commit_host_ms')}; copies' device ms "
+          f"(per layer): {hisparse.get('commit_copy_device_ms')}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
