@@ -70,6 +70,31 @@ def test_the_window_ends_after_its_last_step() -> None:
     assert (1, False) in opens and (3, False) in opens and (0, True) in opens
 
 
+def test_a_commit_leaves_the_device_tables_current() -> None:
+    """A commit's table changes are queued with its copies (behind the launched step, which
+    read the tables as they were), not left for the next step's host work before its launch:
+    after every commit each layer's device table maps each page to the coordinator's slot."""
+    runner = make_runner(6 * BUFFER_PAGES)
+    res = residency(runner)
+    res.commit_every = 2
+    checked = []
+    commit = res._commit_pending
+
+    def check() -> None:
+        planned = res._pending is not None
+        commit()
+        if not planned:
+            return
+        coord, pages = res.offload.coordinator, np.arange(len(res._mark))
+        for j, layer in enumerate(res.offload.layers):
+            assert res.table[layer][:-1].tolist() == coord.slots(j, pages).tolist()
+        checked.append(True)
+
+    res._commit_pending = check  # type: ignore[method-assign]
+    assert generate(runner) == resident_outputs()
+    assert len(checked) >= 3
+
+
 def _before_step_without_early_end(res: GraphResidency) -> None:
     """`GraphResidency.before_step` without ending the open window on releases (the bug this
     file's release test must catch)."""
