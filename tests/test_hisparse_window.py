@@ -167,7 +167,7 @@ def test_most_read_picks_the_most_read_pages_lower_page_on_ties(seed: int) -> No
     rng = np.random.default_rng(seed)
     counts = rng.integers(0, 4, 300).astype(np.int32)
     pages = np.flatnonzero(rng.random(300) < 0.6)
-    for n in (0, 1, 7, len(pages) // 2, len(pages) - 1, len(pages), len(pages) + 3):
+    for n in (-2, 0, 1, 7, len(pages) // 2, len(pages) - 1, len(pages), len(pages) + 3):
         expect = pages[np.argsort(-counts[pages], kind="stable")[: max(n, 0)]]
         assert sorted(most_read(pages, counts, n).tolist()) == sorted(expect.tolist())
 

@@ -39,11 +39,11 @@ Outside the graph, on the host:
   pages written (fresh when their life began in the window), both without the pages whose life
   ended since (released by the launched step's `begin_step`); copies the swapped-in pages and
   the newly placed written pages mirror -> buffer on the compute stream, queued behind the
-  launched step (which read the tables as they were); completes both tickets at once (the
-  mirror needed no backup);
-* `sync_table` (before the next replay): uploads the slots of every page whose residency
-  changed — by this path, by eager steps (`C4Offload.touched`) or by releases. A plan thus
-  reaches the device two steps after the window it came from ends.
+  launched step (which read the tables as they were), and the device table's changes behind
+  them (`sync_table`); completes both tickets at once (the mirror needed no backup);
+* `sync_table` (the end of a commit, and `before_step` before each replay): uploads the slots
+  of every page whose residency changed — by a commit, by eager steps (`C4Offload.touched`) or
+  by releases. A plan thus reaches the device two steps after the window it came from ends.
 
 ``commit_every=1`` plans from the previous step alone. Larger windows divide the host's
 planning cost (about half a millisecond a commit for two C4 sources on the H200's host,
@@ -162,10 +162,12 @@ class GraphResidency:
 
     def _warm_copies(self) -> None:  # pragma: no cover - CUDA only
         """Loads the commit's copy kernels now (lazily loaded, the first commit paid ~10 ms
-        for them in a decode step): each buffer's sentinel slot copied onto itself."""
+        for them in a decode step): each buffer's sentinel slot copied onto itself, once with
+        one index and once with many (`index_select` has a kernel for each)."""
         for buffer in self.offload.buffer.values():
-            slot = torch.full((1,), self.offload.device_pages, device=buffer.device)
-            buffer.index_copy_(0, slot, buffer.index_select(0, slot))
+            for n in (1, 64):
+                slots = torch.full((n,), self.offload.device_pages, device=buffer.device)
+                buffer.index_copy_(0, slots, buffer.index_select(0, slots))
 
     def _mirror(self, layer: int) -> torch.Tensor:
         host = self.offload.host[layer]
@@ -278,7 +280,8 @@ class GraphResidency:
 
     def _commit_pending(self) -> None:
         """Plans the ended window's reads and writes with the coordinator (bounded swap-ins of
-        its missed pages, its written pages placed) and copies them mirror -> buffer."""
+        its missed pages, its written pages placed), copies them mirror -> buffer and queues the
+        device table's changes behind the copies."""
         if self._pending is None or self._deferring:
             return
         event = self._pending.event
