@@ -31,6 +31,7 @@ from shadowradix.integrations.sglang import ShadowRadixSGLangCache
 from shadowradix.integrations.sglang_types import (
     EvictParams,
     InsertParams,
+    InsertResult,
     MatchPrefixParams,
     RadixKey,
     Req,
@@ -287,7 +288,7 @@ def test_lock_refs_pin_and_release() -> None:
     assert len(m.device_indices) == 20 and m.full_kv_hit_length == 20
     lock = tree.inc_lock_ref(m.last_device_node)
     assert lock.delta == -20 and tree.protected_size() == 20
-    assert tree.evict(EvictParams(num_tokens=10**6)).num_tokens_evicted < tree.total_size() + 1
+    assert tree.evict(EvictParams(num_tokens=10**6)).num_tokens_evicted == 0  # all pinned
     assert tree.match_prefix(MatchPrefixParams(RadixKey(prompt))).full_kv_hit_length == 20
     assert tree.dec_lock_ref(m.last_device_node, lock.to_dec_params()).delta == 20
     with pytest.raises(LockError):
@@ -313,10 +314,21 @@ def test_insert_allocates_the_missing_part() -> None:
     first = tree.insert(InsertParams(RadixKey(prompt[:12])))
     assert first.prefix_len == 0 and first.allocation is not None
     assert first.allocation.num_tokens == 12
-    second = tree.insert(InsertParams(RadixKey(prompt)))
+    second = tree.insert(InsertParams(RadixKey(prompt)))  # 21 tokens: 5 whole pages of 4
     assert second.prefix_len == 12 and second.allocation is not None
-    assert second.allocation.num_tokens == 9 and tree.total_size() == 20
+    assert second.allocation.num_tokens == 8 and second.total_len == tree.total_size() == 20
     assert tree.insert(InsertParams(RadixKey(prompt[:20]))).allocation is None
+    assert tree.insert(InsertParams(RadixKey(prompt[:3]))) == InsertResult(0, 0, None)
+
+
+def test_insert_never_hands_out_a_slot_it_freed() -> None:
+    """An unaligned key's partial last page is not inserted, so it is not allocated either:
+    every slot the engine is told to write stays the tree's, and no later request gets one."""
+    tree = ShadowRadixSGLangCache(_config())
+    written = tree.insert(InsertParams(RadixKey(list(range(1, 11))))).allocation
+    assert written is not None and written.num_tokens == 8 and tree.total_size() == 8
+    later = tree.alloc_for_extend(Req("b", [50] * 9), 8)
+    assert not set(written.virtual_slots.tolist()) & set(later.virtual_slots.tolist())
 
 
 def test_bad_input_is_typed_and_changes_nothing() -> None:
@@ -346,3 +358,39 @@ def test_bad_input_is_typed_and_changes_nothing() -> None:
         with pytest.raises(InvalidRequestError):
             call()
         assert snapshot(tree.cache) == before
+
+
+def test_a_match_of_another_namespace_is_refused() -> None:
+    """``req.last_node`` from a lookup without the request's ``extra_key`` must not admit it:
+    the prefix would leak across LoRA adapters / cache salts."""
+    tree = ShadowRadixSGLangCache(_config())
+    prompt = list(range(1, 22))
+    _serve(tree, Req("a", prompt))
+    m = tree.match_prefix(MatchPrefixParams(RadixKey(prompt)))
+    assert m.full_kv_hit_length == 20
+    req = Req("b", prompt + [5], extra_key="lora-2")
+    req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
+    before = snapshot(tree.cache)
+    with pytest.raises(InvalidRequestError, match="namespace"):
+        tree.alloc_for_extend(req, 2)
+    assert snapshot(tree.cache) == before and req.kv is None
+
+
+def test_dec_lock_ref_without_params_releases_the_latest_pin() -> None:
+    """SGLang's scheduler drops ``inc_lock_ref``'s result and calls ``dec_lock_ref(node)``."""
+    tree = ShadowRadixSGLangCache(_config())
+    prompt = list(range(1, 22))
+    _serve(tree, Req("a", prompt))
+    node = tree.match_prefix(MatchPrefixParams(RadixKey(prompt))).last_device_node
+    tree.inc_lock_ref(node)
+    tree.inc_lock_ref(node)
+    assert tree.protected_size() == 20
+    assert tree.dec_lock_ref(node).delta == 0  # one pin still holds the prefix
+    assert tree.dec_lock_ref(node).delta == 20 and tree.protected_size() == 0
+    with pytest.raises(LockError):
+        tree.dec_lock_ref(node)
+    with pytest.raises(InvalidRequestError):
+        tree.dec_lock_ref(node, "x")  # type: ignore[arg-type]
+    tree.reset()  # no pin left behind
+    root = tree.match_prefix(MatchPrefixParams(RadixKey([1]))).last_device_node
+    assert tree.dec_lock_ref(root).delta == 0

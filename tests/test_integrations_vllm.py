@@ -85,7 +85,7 @@ class VllmLoop:
             self.waiting and budget > 0 and not preempted and len(self.running) < self.max_running
         ):
             req = self.waiting[0]
-            blocks, k = self.mgr.get_computed_blocks(req)
+            blocks, k, _ = self.mgr.get_computed_blocks(req)
             n = min(req.num_tokens - k, budget)
             new = self.mgr.allocate_slots(req, n, k, blocks)
             if new is None:
@@ -250,7 +250,7 @@ def _manager(**kwargs: bool) -> ShadowRadixKVCacheManager:
 
 
 def _serve(mgr: ShadowRadixKVCacheManager, req: Request) -> None:
-    blocks, k = mgr.get_computed_blocks(req)
+    blocks, k, _ = mgr.get_computed_blocks(req)
     assert mgr.allocate_slots(req, req.num_tokens - k, k, blocks) is not None
     req.num_computed_tokens = req.num_tokens
     req.output_token_ids.append(0)
@@ -263,7 +263,7 @@ def test_groups_hits_and_reset() -> None:
     assert mgr.kv_cache_groups[1].sliding_window == 8 and mgr.num_kv_cache_groups == 2
     prompt = list(range(1, 22))
     _serve(mgr, Request("a", prompt))
-    blocks, k = mgr.get_computed_blocks(Request("b", prompt))
+    blocks, k, _ = mgr.get_computed_blocks(Request("b", prompt))
     assert k == 20 and len(blocks.blocks[0]) == 5
     assert blocks.blocks[1][:3] == (None, None, None) and None not in blocks.blocks[1][3:]
     assert mgr.get_computed_blocks(Request("c", prompt, cache_salt="x"))[1] == 0
@@ -293,7 +293,7 @@ def test_allocate_slots_returns_none_and_changes_nothing() -> None:
 def test_bad_input_is_typed_and_changes_nothing() -> None:
     mgr = _manager()
     r = Request("a", list(range(1, 22)))
-    blocks, k = mgr.get_computed_blocks(r)
+    blocks, k, _ = mgr.get_computed_blocks(r)
     mgr.allocate_slots(r, 8, k, blocks)
     r.num_computed_tokens = 8
     before = snapshot(mgr.cache)
@@ -342,7 +342,7 @@ def test_admission_counts_the_hit_as_locked() -> None:
     prefix = list(range(1, 41))
     _serve(mgr, Request("a", prefix))  # 10 pages cached, 6 free
     b = Request("b", prefix + list(range(100, 128)))  # 7 more pages
-    blocks, k = mgr.get_computed_blocks(b)
+    blocks, k, _ = mgr.get_computed_blocks(b)
     assert k == 40
     stats = mgr.cache.stats().full
     assert stats.free_pages + stats.evictable_pages >= 7 > stats.free_pages
@@ -370,3 +370,61 @@ def test_running_requests_publish_what_their_earlier_steps_computed() -> None:
         (1, 3, None),
     ]
     assert stored[0].token_ids == tuple(prompt[:12])
+
+
+def test_computed_blocks_of_another_namespace_are_refused() -> None:
+    """A hit looked up without the request's cache salt / LoRA must not admit it: the prefix
+    would leak across tenants (namespaces never share a node)."""
+    mgr = _manager()
+    prompt = list(range(1, 22))
+    _serve(mgr, Request("a", prompt))
+    blocks, k, _ = mgr.get_computed_blocks(Request("probe", prompt))
+    assert k == 20
+    before = snapshot(mgr.cache)
+    for salted in (Request("s", prompt, cache_salt="secret"), Request("l", prompt, lora_int_id=2)):
+        with pytest.raises(InvalidRequestError, match="namespace"):
+            mgr.allocate_slots(salted, salted.num_tokens - k, k, blocks)
+        assert snapshot(mgr.cache) == before
+
+
+def test_a_bad_token_of_a_running_request_changes_nothing() -> None:
+    """The chunk is checked before the request's earlier steps are published."""
+    mgr = _manager()
+    r = Request("a", list(range(1, 13)))
+    blocks, k, _ = mgr.get_computed_blocks(r)
+    assert mgr.allocate_slots(r, 8, k, blocks) is not None
+    r.num_computed_tokens = 8
+    r.prompt_token_ids[9] = -5
+    before = snapshot(mgr.cache)
+    with pytest.raises(InvalidRequestError):
+        mgr.allocate_slots(r, 4)
+    assert snapshot(mgr.cache) == before
+
+
+def test_vllm_033_signatures() -> None:
+    """``get_computed_blocks`` returns vLLM 0.33's three values and honours
+    ``max_cache_hit_length``; ``allocate_slots`` takes the scheduler's keyword arguments."""
+    mgr = _manager()
+    prompt = list(range(1, 22))
+    _serve(mgr, Request("a", prompt))
+    blocks, k, boundary = mgr.get_computed_blocks(Request("b", prompt))
+    assert (k, boundary) == (20, 0)
+    assert mgr.get_computed_blocks(Request("b", prompt), max_cache_hit_length=9)[1] == 8
+    assert mgr.get_computed_blocks(Request("b", prompt), max_cache_hit_length=0)[1] == 0
+    with pytest.raises(InvalidRequestError):
+        mgr.get_computed_blocks(Request("b", prompt), max_cache_hit_length=-1)
+    b = Request("b", prompt)
+    new = mgr.allocate_slots(b, 1, k, blocks, full_sequence_must_fit=True, has_scheduled_reqs=False,
+                             skip_zeroing_group_ids=(1,))  # fmt: skip
+    assert new is not None
+    with pytest.raises(InvalidRequestError, match="reserved_blocks"):
+        mgr.allocate_slots(Request("c", prompt), 4, reserved_blocks=2)
+
+
+def test_full_sequence_must_fit_refuses_a_first_chunk_that_alone_would_fit() -> None:
+    mgr = _manager()
+    long = Request("long", list(range(1, 60)))  # 59 tokens: more than the SWA pool in total
+    before = snapshot(mgr.cache)
+    assert mgr.allocate_slots(long, 8, full_sequence_must_fit=True) is None
+    assert snapshot(mgr.cache) == before
+    assert mgr.allocate_slots(long, 8) is not None  # the first chunk alone fits

@@ -66,13 +66,13 @@ def test_vllm_reports_a_replayed_window_through_deltas() -> None:
     config = CacheConfig(**CFG, bounded_replay=True)
     mgr = ShadowRadixKVCacheManager(config)
     a = Request("a", list(range(40)))
-    blocks, n = mgr.get_computed_blocks(a)
+    blocks, n, _ = mgr.get_computed_blocks(a)
     mgr.allocate_slots(a, 40, n, blocks)
     a.num_computed_tokens = 40
     mgr.free(a)
     mgr.cache.evict(swa_tokens=128)  # every window tombstoned: the hit must replay
     b = Request("b", list(range(40)) + [7, 8])
-    blocks, n = mgr.get_computed_blocks(b)
+    blocks, n, _ = mgr.get_computed_blocks(b)
     assert n == 40 and all(x is None for x in blocks.blocks[1])
     new = mgr.allocate_slots(b, b.num_tokens - n, n, blocks)
     assert new is not None and new.replay is not None

@@ -1,5 +1,6 @@
 """An SGLang-shaped prefix cache over `ShadowRadixCache`: the method names and semantics of
-sglang 0.5.23's ``BasePrefixCache``, with arguments and results as plain records of our own
+sglang 0.5.18's ``BasePrefixCache`` as its scheduler calls it (docs/integrations.md: what 0.5.23
+changed), with arguments and results as plain records of our own
 (`sglang_types`; no sglang import, no torch).
 
 How SGLang's scheduler calls a tree cache, and what each call does here::
@@ -31,12 +32,14 @@ import numpy as np
 
 from ..cache import ShadowRadixCache
 from ..config import CacheConfig
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, LockError
 from ..events import KvEvent
+from ..locks import PinReceipt
 from ..node import Node
 from ..request import Request
 from ..results import Allocation, ExtendCheck
 from ..results import MatchResult as CoreMatch
+from ..validation import as_tokens
 from .admission import admission_check, admit_and_extend
 from .paths import prefix_vpages, slots_of
 from .sglang_types import (
@@ -65,6 +68,9 @@ class ShadowRadixSGLangCache:
         self.page_size = config.page_size
         self.disable = False
         self._namespaces: dict[Hashable, None] = {None: None}  # seen, for pretty_print
+        #: the pins `inc_lock_ref` took and `dec_lock_ref` has not released, by node (latest
+        #: last): SGLang's scheduler drops the result and calls ``dec_lock_ref(node)``
+        self._pins: dict[TreeNode, list[PinReceipt]] = {}
 
     # -- lookup and locks ------------------------------------------------------------------
 
@@ -88,17 +94,30 @@ class ShadowRadixSGLangCache:
             return IncLockRefResult(0, None)
         before = self.evictable_size()
         receipt = self.cache.pin(node.tokens, namespace=node.namespace)
+        self._pins.setdefault(node, []).append(receipt)
         return IncLockRefResult(self.evictable_size() - before, receipt)
 
     def dec_lock_ref(
         self, node: TreeNode, params: DecLockRefParams | None = None
     ) -> DecLockRefResult:
-        """Release what `inc_lock_ref` took (its receipt, ``params``); no receipt releases
-        nothing. `LockError` for a receipt released already."""
-        if params is None or params.receipt is None:
-            return DecLockRefResult(0)
+        """Release what `inc_lock_ref` took: the receipt in ``params``, or without one (as
+        SGLang's scheduler calls it) the latest pin of ``node`` still held. `LockError` when
+        there is none, or for a receipt released already; the root: nothing to release."""
+        if not isinstance(node, TreeNode):
+            raise InvalidRequestError(f"expected a TreeNode, got {type(node).__name__}")
+        if params is not None and not isinstance(params, DecLockRefParams):
+            raise InvalidRequestError(f"expected DecLockRefParams, got {type(params).__name__}")
+        receipt = None if params is None else params.receipt
+        if receipt is None:
+            if node.prefix_len == 0:
+                return DecLockRefResult(0)
+            held = self._pins.get(node)
+            if not held:
+                raise LockError("dec_lock_ref: no inc_lock_ref of this node is still held")
+            receipt = held[-1]
         before = self.evictable_size()
-        self.cache.unpin(params.receipt)
+        self.cache.unpin(receipt)  # LockError (nothing changed) if released already
+        self._forget_pin(receipt)
         return DecLockRefResult(self.evictable_size() - before)
 
     # -- allocation (sglang.srt.mem_cache.common's alloc_for_extend / alloc_for_decode) ----
@@ -175,21 +194,27 @@ class ShadowRadixSGLangCache:
         self._release_scheduler_lock(req)
 
     def insert(self, params: InsertParams) -> InsertResult:
-        """Insert ``params.key`` whose KV the engine holds (a transfer, a load): pages for the
-        part the tree lacks are allocated and inserted at once; the engine writes the KV into
-        ``InsertResult.allocation`` (``None`` when everything was cached) before any forward
-        reads it. ``prefix_len``: the tokens the tree already held."""
+        """Insert ``params.key`` whose KV the engine holds (a transfer, a load), its whole pages
+        (``total_len``; a partial last page is not inserted, as SGLang's paged tree keeps only
+        page-aligned keys): pages for the part the tree lacks are allocated and inserted at
+        once; the engine writes the KV into ``InsertResult.allocation`` (``None`` when nothing
+        was missing) before any forward reads it. ``prefix_len``: the tokens the tree already
+        held."""
         key = params.key if isinstance(params, InsertParams) else None
         if not isinstance(key, RadixKey):
             raise InvalidRequestError("expected InsertParams(key=RadixKey(...))")
         self._namespaces[key.extra_key] = None
-        tokens = list(key.token_ids)
+        tokens = as_tokens(key.token_ids, "insert's key").tolist()  # bad tokens: refused first
+        whole = len(tokens) // self.page_size * self.page_size  # a partial last page is not kept
+        if whole == 0:
+            return InsertResult(0, 0, None)
+        tokens = tokens[:whole]
         match = self.cache.match_prefix(tokens, namespace=key.extra_key)
-        if match.prefix_len == len(tokens):
-            return InsertResult(match.cached_len, len(tokens), None)
+        if match.prefix_len == whole:
+            return InsertResult(match.cached_len, whole, None)
         kv, allocation = admit_and_extend(self.cache, tokens, match, tokens[match.prefix_len :])
         self.cache.finish(kv)
-        return InsertResult(match.cached_len, len(tokens), allocation)
+        return InsertResult(match.cached_len, whole, allocation)
 
     # -- eviction and sizes ----------------------------------------------------------------
 
@@ -236,6 +261,7 @@ class ShadowRadixSGLangCache:
     def reset(self) -> None:
         """Drop every cached prefix; `InvalidRequestError` while requests run or pins are held."""
         self.cache.reset()
+        self._pins.clear()
 
     def pretty_print(self) -> None:
         print(self.format_tree())
@@ -257,14 +283,30 @@ class ShadowRadixSGLangCache:
         """Drop the pin the scheduler took with ``inc_lock_ref(req.last_node)``."""
         if req.lock_result is not None and req.lock_result.receipt is not None:
             self.cache.unpin(req.lock_result.receipt)
+            self._forget_pin(req.lock_result.receipt)
         req.lock_result = None
+
+    def _forget_pin(self, receipt: PinReceipt) -> None:
+        for node, held in self._pins.items():
+            for i, r in enumerate(held):
+                if r is receipt:
+                    del held[i]
+                    if not held:
+                        del self._pins[node]
+                    return
 
     def _match_for(self, req: Req) -> CoreMatch:
         node = _checked(req).last_node
         if node is not None and node.match is not None:
+            if node.match.namespace != req.extra_key:  # another tenant's / adapter's prefix
+                raise InvalidRequestError(
+                    f"{req.rid}: its last_node was matched in namespace {node.match.namespace!r}, "
+                    f"the request's is {req.extra_key!r}"
+                )
             return node.match
         fill = req.fill_ids
         return self.cache.match_prefix(fill, max_len=len(fill) - 1, namespace=req.extra_key)
+
 
 
 def _key_of(params: MatchPrefixParams) -> RadixKey:

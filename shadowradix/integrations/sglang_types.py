@@ -1,5 +1,5 @@
 """The arguments and results of the SGLang-shaped shim (`sglang`), named and shaped as in
-sglang 0.5.23's ``mem_cache/base_prefix_cache.py`` and its ``Req``: plain records of our own,
+sglang 0.5.18's ``mem_cache/base_prefix_cache.py`` and its ``Req``: plain records of our own,
 holding NumPy arrays where SGLang holds tensors and core receipts where it holds node ids.
 Only the fields the shim reads or fills are here."""
 
@@ -64,8 +64,9 @@ class InsertParams:
 
 @dataclass(frozen=True)
 class InsertResult:
-    """``prefix_len``: tokens the tree held before; ``allocation``: where the engine writes the
-    KV of the rest (``None`` if nothing was missing)."""
+    """``prefix_len``: tokens the tree held before; ``total_len``: the key's tokens in whole
+    pages (what the tree holds of it now); ``allocation``: where the engine writes the KV of the
+    rest (``None`` if nothing was missing)."""
 
     prefix_len: int
     total_len: int

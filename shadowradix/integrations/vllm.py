@@ -4,7 +4,7 @@ vLLM 0.33's ``KVCacheManager``, with arguments and results as records of our own
 
 How vLLM's scheduler calls it, and what each call does here::
 
-    blocks, n = get_computed_blocks(request)        waiting request: pure lookup, leaving the
+    blocks, n, _ = get_computed_blocks(request)     waiting request: pure lookup, leaving the
                                                     last token to compute
     new = allocate_slots(request, k, n, blocks)     admit at that hit and compute k tokens, or
                                                     None (nothing admitted): try later
@@ -20,8 +20,9 @@ by then) and at ``free``. A request preempted before its scheduled step ran
 tokens were never computed, and what it inserted earlier stays cached.
 
 Block tables, groups and events: `vllm_types` and `vllm_events`. Speculative lookahead, KV
-connectors and encoder tokens are not supported (`InvalidRequestError`); use the core's
-``extend_draft`` / ``rollback`` for drafts.
+connectors, encoder tokens and reserved blocks are not supported (`InvalidRequestError`); use
+the core's ``extend_draft`` / ``rollback`` for drafts. What else differs from vLLM 0.33:
+docs/integrations.md.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from ..locks import Pool
 from ..request import Request as CoreRequest
 from ..results import Allocation, StepPlan
 from ..results import MatchResult as CoreMatch
-from .admission import admit_and_extend
+from ..validation import as_tokens
+from .admission import admission_check, admit_and_extend
 from .paths import prefix_vpages, window_swa_pages
 from .vllm_events import EventTranslator
 from .vllm_types import (
@@ -93,13 +95,20 @@ class ShadowRadixKVCacheManager:
 
     # -- lookup and allocation -------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
         """The cached prefix a waiting request can resume after (whole pages, at most
-        ``num_tokens - 1``), and its length. Pure."""
+        ``max_cache_hit_length``, by default ``num_tokens - 1``), its length, and vLLM's
+        ``shared_prefix_boundary`` (always 0: the SWA windows here are tombstoned per node and
+        replayed, no junction to pin). Pure."""
         tokens = _tokens_of(request)
-        match = self.cache.match_prefix(tokens, len(tokens) - 1, namespace=request.namespace)
+        limit = len(tokens) - 1
+        if max_cache_hit_length is not None:
+            limit = min(limit, _count(max_cache_hit_length, "max_cache_hit_length", minimum=0))
+        match = self.cache.match_prefix(tokens, limit, namespace=request.namespace)
         hit = tuple(tuple(t) for t in _hit_tables(match, self.cache.config))
-        return KVCacheBlocks(hit, match=match), match.prefix_len
+        return KVCacheBlocks(hit, match=match), match.prefix_len, 0
 
     def allocate_slots(
         self,
@@ -111,19 +120,29 @@ class ShadowRadixKVCacheManager:
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
         """Slots for the next ``num_new_tokens`` of ``request``: the blocks allocated now, or
         ``None`` when the pools cannot supply them even after evicting (nothing changed, but a
         running request's earlier steps got published). A waiting request is admitted at
         ``new_computed_blocks`` (from `get_computed_blocks`; ``num_new_computed_tokens`` must be
-        its length) or, without it, from scratch. Bad input raises `InvalidRequestError`."""
+        its length) or, without it, from scratch. Bad input raises `InvalidRequestError`.
+        ``full_sequence_must_fit``: ``None`` unless every token of the request left fits now;
+        ``has_scheduled_reqs`` and ``skip_zeroing_group_ids`` change nothing here (no block is
+        zeroed); lookahead, external, encoder tokens and ``reserved_blocks`` are refused."""
         n = _count(num_new_tokens, "num_new_tokens", minimum=1)
         for name, value in (("num_lookahead_tokens", num_lookahead_tokens),
                             ("num_external_computed_tokens", num_external_computed_tokens),
-                            ("num_encoder_tokens", num_encoder_tokens)):  # fmt: skip
+                            ("num_encoder_tokens", num_encoder_tokens),
+                            ("reserved_blocks", reserved_blocks)):  # fmt: skip
             if _count(value, name, minimum=0):
                 raise InvalidRequestError(f"{name} is not supported by this shim")
         tokens = _tokens_of(request)
+        if full_sequence_must_fit and not self._fits_whole(request, tokens):
+            return None
         kv = self._running.get(request.request_id)
         if kv is None:
             return self._admit(request, tokens, n, num_new_computed_tokens, new_computed_blocks)
@@ -133,6 +152,7 @@ class ShadowRadixKVCacheManager:
                 f"but {kv.length} were allocated"
             )
         chunk = _span(tokens, kv.length, n)
+        as_tokens(chunk, "the request's tokens")  # bad input: refused before anything changes
         told = self._told[request.request_id]
         if not delay_cache_blocks and kv.num_committed // self._p > kv.tree_pages:
             # its previous steps have run: publish them (deduplication may rewrite entries)
@@ -160,6 +180,11 @@ class ShadowRadixKVCacheManager:
             match = computed.match
         else:
             raise InvalidRequestError("new_computed_blocks must come from get_computed_blocks")
+        if match.namespace != request.namespace:  # another adapter's / salt's prefix
+            raise InvalidRequestError(
+                f"{request.request_id}: the computed blocks were looked up in namespace "
+                f"{match.namespace!r}, the request's is {request.namespace!r}"
+            )
         if num_computed != match.prefix_len:
             raise InvalidRequestError(
                 f"num_new_computed_tokens={num_computed}, the computed blocks hold "
@@ -183,6 +208,15 @@ class ShadowRadixKVCacheManager:
         self._record(request, match.hit_len)
         self._drain()
         return self._report(told, allocation, kv.replay_allocation)
+
+    def _fits_whole(self, request: Request, tokens: list[int]) -> bool:
+        """Whether every token of ``request`` not yet allocated fits now (non-raising)."""
+        kv = self._running.get(request.request_id)
+        if kv is not None:
+            left = len(tokens) - kv.length
+            return left <= 0 or bool(self.cache.can_extend([kv], [left]))
+        match = self.cache.match_prefix(tokens, len(tokens) - 1, namespace=request.namespace)
+        return bool(admission_check(self.cache, match, len(tokens) - match.prefix_len))
 
     def free(self, request: Request) -> None:
         """Release a finished or preempted request: insert its computed pages and release the
