@@ -55,6 +55,11 @@ def test_run_prompts_from_arguments_and_file(
         (["run", "x", "--model", ""], "--model: invalid choice: ''"),
         (["run", "x", "--file", ""], "--file: an empty path"),
         (["run", "x", "--pool-budget-gib", "inf"], "--pool-budget-gib: inf must be finite"),
+        (["run", "x", "--memory-budget-gib", "inf"], "--memory-budget-gib: inf must be finite"),
+        (["run", "x", "--memory-budget-gib", "abc"], "'abc' is not a number"),
+        (["run", ""], "an empty prompt"),
+        (["run", "x", "--seed", str(2**62)], "is above"),
+        (["demo", "--full-tokens", "64"], "full pool exhausted"),
         (["run", "x", "--temperature", "inf"], "--temperature: inf must be finite"),
         (["run", "x", "--seed", "9" * 30], "--seed: " + "9" * 30 + " is above"),
         (["run", "x", "--arrival-steps", "99999999"], "--arrival-steps: 99999999 is above"),
@@ -111,6 +116,16 @@ def test_an_empty_prompt_file_is_an_error_not_the_built_in_prompts(
     assert main(["run", "--file", str(path), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "no prompts" in err and err.count("\n") == 1
+
+
+def test_a_file_that_is_not_utf8_names_itself(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bin.dat"
+    path.write_bytes(b"\xfd\xfe\xff prompt\n")
+    assert main(["run", "--file", str(path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: not UTF-8 text" in err and err.count("\n") == 1
 
 
 def test_version_and_interrupt(monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -184,10 +199,17 @@ def test_a_refused_prompt_does_not_stop_the_others(capsys: pytest.CaptureFixture
     assert "prefill" in err  # long prompts show prefill progress
 
 
-@pytest.mark.parametrize("bad", ["0", "-1"])
-def test_bad_memory_budget_is_an_error(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [("0", "must be > 0"), ("-1", "must be a number >= 0"), ("1e400", "must be finite"),
+     ("nan", "must be a number >= 0")],
+)
+def test_bad_memory_budget_is_an_error(
+    bad: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["run", "hi", "--device", "cpu", "--memory-budget-gib", bad]) == 2
-    assert "--memory-budget-gib must be positive" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--memory-budget-gib: {bad} {why}" in err and err.count("\n") == 1
 
 
 def test_run_within_a_pool_budget(capsys: pytest.CaptureFixture[str]) -> None:

@@ -76,22 +76,26 @@ def _serve_turn(
     pending = list(range(len(histories)))
     while pending:
         batch: list[tuple[int, Request]] = []
+        refused: CapacityError | None = None
         while pending and len(batch) < trace.batch:
             i = pending[0]
             prompt = np.asarray(histories[i])
             try:
                 request = cache.admit(prompt, cache.match_prefix(prompt[:-1]))
-            except CapacityError:
+            except CapacityError as exc:
+                refused = exc
                 break
             try:
                 cache.extend(request, request.prompt_remaining)
-            except CapacityError:
+            except CapacityError as exc:
                 cache.abort(request)
+                refused = exc
                 break
             cache.cache_unfinished(request)
             batch.append((pending.pop(0), request))
-        if not batch:
-            raise CapacityError("swa", 1, 0)
+        if not batch:  # not even one conversation fits: the pool that refused it
+            assert refused is not None
+            raise refused
         for _ in range(trace.reply_len):
             tokens = rng.integers(0, 32000, (len(batch), 1))
             cache.extend_batch([r for _, r in batch], tokens)

@@ -75,10 +75,10 @@ def add_run_parser(sub) -> None:
                      help="tokens to generate per prompt (default 48)")  # fmt: skip
     run.add_argument("--temperature", type=_non_negative_float, default=0.0,
                      help="sampling temperature; 0 is greedy (default)")  # fmt: skip
-    run.add_argument("--seed", type=bounded(0, 2**62), default=0,
+    run.add_argument("--seed", type=bounded(0, 2**62 - 1), default=0,
                      help="sampling seed: prompt i samples with seed + i (default 0)")  # fmt: skip
     run.add_argument("--page-size", type=positive, default=64,
-                     help="tokens per cache page, a power of two (default 64)")  # fmt: skip
+                     help="tokens per cache page: a power of two, at most 256 (default 64)")
     run.add_argument("--full-tokens", type=positive,
                      help="full (compressed) pool capacity in tokens (default 65536)")  # fmt: skip
     run.add_argument("--swa-tokens", type=positive,
@@ -109,14 +109,16 @@ def add_run_parser(sub) -> None:
     )
     run.add_argument(
         "--memory-budget-gib",
-        type=float,
+        type=_positive_float,
         help="transient device memory per forward step beyond pools and weights (default: "
         "85%% of what is free on CUDA; prefill steps are sized to it)",
     )
     run.add_argument(
         "--hisparse-pages",
         type=positive,
-        help="keep C4 KV in host memory with this many device pages per C4 layer",
+        help="keep C4 KV in host memory with this many device pages per C4 layer (at least the "
+        "model's top-k pages plus one: 33 for the shipped models; prefill with a buffer much "
+        "smaller than a prompt's C4 pages swaps at every chunk and runs far slower)",
     )
     run.add_argument(
         "--tail-only",
@@ -152,7 +154,7 @@ def add_run_parser(sub) -> None:
         "--arrival-steps",
         type=bounded(0, 10_000),
         default=2,
-        help="submit one prompt every N steps (0: all at once)",
+        help="submit one prompt every N steps (0: all at once; default 2)",
     )
     run.add_argument("--quiet", action="store_true", help="no progress bar, no completions")
 
@@ -163,9 +165,17 @@ def _prompts(args) -> list[str]:
     texts = list(args.prompts)
     if args.file is not None and not args.file.strip():
         raise ValueError("--file: an empty path")
+    if any(not text for text in texts):
+        raise ValueError("an empty prompt: give it some text (BOS alone predicts nothing)")
     if args.file:
-        with open(args.file, encoding="utf-8") as fh:
-            lines = [line.rstrip("\n") for line in fh if line.strip()]
+        try:
+            with open(args.file, encoding="utf-8") as fh:
+                lines = [line.rstrip("\n") for line in fh if line.strip()]
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"{args.file}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+            ) from None
+
         if not lines:
             raise ValueError(f"{args.file}: no prompts (every line is empty)")
         texts += lines
