@@ -39,6 +39,11 @@ def build_runner(args: argparse.Namespace) -> Runner:
     contradicting options."""
     model = preset(args.model if args.model is not None else default_preset())
     if args.layers is not None:
+        if args.weights is None and model.name in SHIPPED and args.layers != model.num_layers:
+            raise ValueError(
+                f"--layers {args.layers}: the shipped {model.name} weights hold all "
+                f"{model.num_layers} layers; use --model tiny (random weights) or --weights FILE"
+            )
         model = model.first_layers(args.layers)
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the Runner's default

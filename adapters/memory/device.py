@@ -71,5 +71,6 @@ def check_pools_fit(need: int, device: torch.device, free: int | None = None) ->
     if need > free:
         raise PoolMemoryError(
             f"the pools need {need / 2**30:.2f} GiB but {device} has {free / 2**30:.2f} GiB "
-            "free: lower the full / SWA pool sizes (--full-tokens, --swa-tokens)"
+            "free: lower the full / SWA pool sizes (the CLI's --full-tokens / --swa-tokens or "
+            "--pool-budget-gib)"
         )
