@@ -92,7 +92,7 @@ def test_run_prompts_from_arguments_and_file(
         (["run", "x", "--model", "tiny", "--speculative", "2", "--draft", "eagle"],
          "an EAGLE head needs trained weights"),
         (["run", "x", "--model", "tiny-shared", "--tail-only", "--speculative", "2"],
-         "MTP drafts with tail-only prefill are not supported"),
+         "with tail-only prefill is not supported: the MTP layer reads"),
         (["run", "x", "--model", "tiny", "--tail-only"],
          "tail-only prefill needs V4.1 cross-layer sharing"),
         (["demo", "--page-size", "3"], "page_size must be one of"),

@@ -307,7 +307,7 @@ def test_what_a_mode_needs_and_the_verify_length_under_tail_only() -> None:
 
 def test_enable_rebalance_on_a_hisparse_runner_is_refused() -> None:
     runner = build(frozenset({M.HISPARSE}))
-    with pytest.raises(UnsupportedModeError, match="re-balancing is not supported with HiSparse"):
+    with pytest.raises(UnsupportedModeError, match="HiSparse with run-time pool re-balance is"):
         enable_rebalance(runner, 10**9)
     assert runner.pool_balance is None
 

@@ -135,7 +135,8 @@ def add_run_parser(sub) -> None:
         type=positive,
         metavar="K",
         help="speculative decoding: the MTP layer drafts K tokens per step (rejection sampling "
-        "at --temperature > 0)",
+        "at --temperature > 0; K + 1 at most the cache's max_draft_len: K <= 8 for the shipped "
+        "models)",
     )
     run.add_argument(
         "--draft",

@@ -119,8 +119,8 @@ _OVERLAP_SPEC = (
     "host reads each verify step's acceptance before it drafts the next)"
 )
 _REPLAY_SPEC = (
-    "bounded_replay cannot be combined with speculative decoding (the seeds describe "
-    "encoder-side replay as incompatible with it; CacheConfig refuses the pair)"
+    "bounded replay cannot be combined with speculative decoding (DeepSeek-V4's design "
+    "describes encoder-side replay as incompatible with it; CacheConfig refuses the pair)"
 )
 _HISPARSE_GRAPH_VERIFY = (
     "graph verify steps do not read HiSparse's C4 KV yet (the graph verifier has no residency "
@@ -137,15 +137,14 @@ REFUSED: dict[tuple[Mode, Mode], str] = {
     (M.SPECULATION, M.BOUNDED_REPLAY): _REPLAY_SPEC,
     (M.MTP_DRAFT, M.BOUNDED_REPLAY): _REPLAY_SPEC,
     (M.MTP_DRAFT, M.TAIL_ONLY): (
-        "MTP drafts with tail-only prefill are not supported: the MTP layer reads the main "
-        "model's hidden state at every prompt position, which tail-only prefill does not "
-        "compute past the last KV source (use another draft source)"
+        "the MTP layer reads the main model's hidden state at every prompt position, which "
+        "tail-only prefill does not compute past the last KV source (use another draft source)"
     ),
     (M.MULTI_STREAM, M.SPECULATION): _MULTI_STREAM_SPEC,
     (M.MULTI_STREAM, M.MTP_DRAFT): _MULTI_STREAM_SPEC,
     (M.HISPARSE, M.REBALANCE): (
-        "run-time re-balancing is not supported with HiSparse: its host mirror and device "
-        "buffer are keyed by page id, which a re-balance moves"
+        "HiSparse's host mirror and device buffer are keyed by page id, which a run-time "
+        "re-balance moves"
     ),
 }
 ONE_OPTION: dict[tuple[Mode, Mode], str] = {
