@@ -394,3 +394,22 @@ def test_dec_lock_ref_without_params_releases_the_latest_pin() -> None:
     tree.reset()  # no pin left behind
     root = tree.match_prefix(MatchPrefixParams(RadixKey([1]))).last_device_node
     assert tree.dec_lock_ref(root).delta == 0
+
+
+def test_a_pin_whose_result_the_scheduler_dropped_moves_to_the_request() -> None:
+    """SGLang's ``PrefillAdder`` calls ``inc_lock_ref(req.last_node)`` and keeps no result (its
+    tree moves the lock at admission): the admission releases that pin, so nothing leaks."""
+    tree = ShadowRadixSGLangCache(_config())
+    prompt = list(range(1, 22))
+    _serve(tree, Req("a", prompt))
+    req = Req("b", prompt + [7, 8])
+    m = tree.match_prefix(MatchPrefixParams(RadixKey(req.fill_ids[:-1])))
+    req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
+    tree.inc_lock_ref(req.last_node)  # the result dropped
+    tree.alloc_for_extend(req, len(req.fill_ids) - len(req.prefix_indices))
+    assert not tree._pins  # the request's own locks hold its path now
+    with pytest.raises(LockError):
+        tree.dec_lock_ref(req.last_node)
+    tree.cache_finished_req(req)
+    assert tree.protected_size() == 0
+    tree.reset()

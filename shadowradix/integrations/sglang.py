@@ -280,10 +280,16 @@ class ShadowRadixSGLangCache:
     # -- helpers ---------------------------------------------------------------------------
 
     def _release_scheduler_lock(self, req: Req) -> None:
-        """Drop the pin the scheduler took with ``inc_lock_ref(req.last_node)``."""
-        if req.lock_result is not None and req.lock_result.receipt is not None:
-            self.cache.unpin(req.lock_result.receipt)
-            self._forget_pin(req.lock_result.receipt)
+        """Drop the pin the scheduler took with ``inc_lock_ref(req.last_node)``: its receipt
+        in ``req.lock_result``, or (SGLang's scheduler drops the result: its tree moves the
+        lock itself) the latest pin of ``req.last_node`` still held."""
+        receipt = None if req.lock_result is None else req.lock_result.receipt
+        if req.lock_result is None and req.last_node is not None:
+            held = self._pins.get(req.last_node)
+            receipt = held[-1] if held else None
+        if receipt is not None:
+            self.cache.unpin(receipt)
+            self._forget_pin(receipt)
         req.lock_result = None
 
     def _forget_pin(self, receipt: PinReceipt) -> None:
