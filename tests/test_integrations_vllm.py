@@ -428,3 +428,21 @@ def test_full_sequence_must_fit_refuses_a_first_chunk_that_alone_would_fit() -> 
     assert mgr.allocate_slots(long, 8, full_sequence_must_fit=True) is None
     assert snapshot(mgr.cache) == before
     assert mgr.allocate_slots(long, 8) is not None  # the first chunk alone fits
+
+
+def test_kv_cache_blocks_as_vllm_scheduler_uses_them() -> None:
+    """``get_block_ids(allow_none=, group_ids=)`` and ``+`` (the scheduler adds the computed
+    blocks to the new ones), as vLLM 0.33's ``KVCacheBlocks``."""
+    mgr = _manager()
+    prompt = list(range(1, 22))
+    _serve(mgr, Request("a", prompt))
+    computed, k, _ = mgr.get_computed_blocks(Request("b", prompt))
+    b = Request("b", prompt)
+    new = mgr.allocate_slots(b, b.num_tokens - k, k, computed)
+    assert new is not None
+    both = computed + new
+    assert both.get_block_ids() == mgr.get_block_ids("b")
+    assert both.get_block_ids(group_ids=[1]) == (mgr.get_block_ids("b")[1],)
+    empty = KVCacheBlocks(((), ()))
+    assert empty.get_block_ids(allow_none=True) is None and empty.get_block_ids() == ([], [])
+    assert (empty + empty).blocks == ((), ())

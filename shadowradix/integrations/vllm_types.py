@@ -16,7 +16,7 @@ and every other pool is arithmetic on one of them (design.md §2), so there are 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from ..locks import Pool
@@ -93,8 +93,21 @@ class KVCacheBlocks:
     replay: Allocation | None = None
     match: CoreMatch | None = field(default=None, repr=False)
 
-    def get_block_ids(self) -> BlockIds:
-        return tuple(list(group) for group in self.blocks)
+    def get_block_ids(
+        self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+    ) -> BlockIds | None:
+        """Each group's block ids (``group_ids``: those groups only); ``None`` with
+        ``allow_none`` when every selected group is empty (as vLLM's)."""
+        groups = self.blocks if group_ids is None else tuple(self.blocks[g] for g in group_ids)
+        if allow_none and all(len(group) == 0 for group in groups):
+            return None
+        return tuple(list(group) for group in groups)
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        """The blocks of both, group by group (what vLLM's scheduler adds up)."""
+        if not isinstance(other, KVCacheBlocks) or len(other.blocks) != len(self.blocks):
+            return NotImplemented
+        return KVCacheBlocks(tuple((*a, *b) for a, b in zip(self.blocks, other.blocks)))
 
 
 @dataclass(frozen=True)
