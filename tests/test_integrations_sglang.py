@@ -413,3 +413,37 @@ def test_a_pin_whose_result_the_scheduler_dropped_moves_to_the_request() -> None
     tree.cache_finished_req(req)
     assert tree.protected_size() == 0
     tree.reset()
+
+
+def test_a_scheduler_lock_released_early_through_dec_lock_ref_costs_nothing() -> None:
+    """SGLang's ``_lock_node`` wrapper pins and unpins a node around a budget check while
+    ``req.lock_result`` holds another pin of it: whichever pin the wrapper's
+    ``dec_lock_ref(node)`` released, admission releases the other — no leak, no error."""
+    tree = ShadowRadixSGLangCache(_config())
+    prompt = list(range(1, 22))
+    _serve(tree, Req("a", prompt))
+    req = Req("b", prompt + [7, 8])
+    m = tree.match_prefix(MatchPrefixParams(RadixKey(req.fill_ids[:-1])))
+    req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
+    tree.inc_lock_ref(req.last_node)  # the wrapper's, result dropped
+    req.lock_result = tree.inc_lock_ref(req.last_node)
+    tree.dec_lock_ref(req.last_node)  # the wrapper exits: releases the latest (the stored one)
+    tree.alloc_for_extend(req, len(req.fill_ids) - len(req.prefix_indices))
+    assert not tree._pins and req.lock_result is None
+    tree.cache_finished_req(req)
+    assert tree.protected_size() == 0
+    tree.reset()
+
+
+def test_insert_over_a_tombstoned_window_allocates_nothing() -> None:
+    """The tree holds the key's compressed KV but not its window: pages for those tokens
+    would be duplicates the insertion frees, so nothing is allocated or inserted."""
+    tree = ShadowRadixSGLangCache(_config())
+    prompt = list(range(1, 22))
+    _serve(tree, Req("a", prompt))
+    tree.evict(EvictParams(swa_num_tokens=10**6))  # tombstone every unprotected window
+    m = tree.match_prefix(MatchPrefixParams(RadixKey(prompt)))
+    assert len(m.device_indices) < m.full_kv_hit_length
+    free = tree.full_available_size()
+    result = tree.insert(InsertParams(RadixKey(prompt[:20])))
+    assert result.allocation is None and tree.full_available_size() == free

@@ -422,12 +422,33 @@ def test_vllm_033_signatures() -> None:
 
 
 def test_full_sequence_must_fit_refuses_a_first_chunk_that_alone_would_fit() -> None:
-    mgr = _manager()
-    long = Request("long", list(range(1, 60)))  # 59 tokens: more than the SWA pool in total
+    """The gate counts the full pages of every token left and, as vLLM caps sliding-window
+    groups, the SWA pages of one window and chunk: a prompt longer than the SWA pool is
+    admitted (it runs in chunks), one longer than the full pool is not."""
+    mgr = _manager()  # 16 full pages, 8 SWA pages of 4 tokens
+    swa_long = Request("swa-long", list(range(1, 60)))  # 15 full pages; SWA: window + chunk
+    assert mgr.allocate_slots(swa_long, 8, full_sequence_must_fit=True) is not None
+    mgr.free(swa_long)
+    too_long = Request("too-long", list(range(100, 170)))  # 18 full pages
     before = snapshot(mgr.cache)
-    assert mgr.allocate_slots(long, 8, full_sequence_must_fit=True) is None
+    assert mgr.allocate_slots(too_long, 8, full_sequence_must_fit=True) is None
     assert snapshot(mgr.cache) == before
-    assert mgr.allocate_slots(long, 8) is not None  # the first chunk alone fits
+    assert mgr.allocate_slots(too_long, 8) is not None  # the first chunk alone fits
+    too_long.num_computed_tokens = 8
+    assert mgr.allocate_slots(too_long, 8, full_sequence_must_fit=True) is None  # running
+
+
+def test_the_gate_runs_after_the_checks() -> None:
+    """Bad input with ``full_sequence_must_fit`` raises and changes nothing."""
+    mgr = _manager()
+    prompt = list(range(1, 22))
+    _serve(mgr, Request("a", prompt))
+    blocks, k, _ = mgr.get_computed_blocks(Request("probe", prompt[:-3]))
+    salted = Request("s", prompt, cache_salt="other")
+    before = snapshot(mgr.cache)
+    with pytest.raises(InvalidRequestError, match="namespace"):
+        mgr.allocate_slots(salted, salted.num_tokens - k, k, blocks, full_sequence_must_fit=True)
+    assert snapshot(mgr.cache) == before
 
 
 def test_kv_cache_blocks_as_vllm_scheduler_uses_them() -> None:

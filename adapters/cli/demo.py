@@ -94,7 +94,8 @@ def _serve_turn(
             cache.cache_unfinished(request)
             batch.append((pending.pop(0), request))
         if not batch:  # not even one conversation fits: the pool that refused it
-            assert refused is not None
+            if refused is None:
+                raise ValueError("a demo batch holds at least one conversation")
             raise refused
         for _ in range(trace.reply_len):
             tokens = rng.integers(0, 32000, (len(batch), 1))

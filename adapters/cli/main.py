@@ -174,7 +174,7 @@ def _prompts(args) -> list[str]:
                 lines = [line.rstrip("\n") for line in fh if line.strip()]
         except UnicodeDecodeError as exc:
             raise ValueError(
-                f"{args.file}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+                f"{args.file}: not UTF-8 text ({exc.reason})"
             ) from None
 
         if not lines:

@@ -68,9 +68,11 @@ class ShadowRadixSGLangCache:
         self.page_size = config.page_size
         self.disable = False
         self._namespaces: dict[Hashable, None] = {None: None}  # seen, for pretty_print
-        #: the pins `inc_lock_ref` took and `dec_lock_ref` has not released, by node (latest
-        #: last): SGLang's scheduler drops the result and calls ``dec_lock_ref(node)``
+        #: the pins `inc_lock_ref` took and nothing released yet, by node (latest last), and
+        #: each one's node: a node's pins are interchangeable, like SGLang's lock counter
+        #: (its scheduler drops ``inc_lock_ref``'s result and calls ``dec_lock_ref(node)``)
         self._pins: dict[TreeNode, list[PinReceipt]] = {}
+        self._pin_node: dict[int, TreeNode] = {}  # id(receipt) -> node, while held
 
     # -- lookup and locks ------------------------------------------------------------------
 
@@ -95,29 +97,28 @@ class ShadowRadixSGLangCache:
         before = self.evictable_size()
         receipt = self.cache.pin(node.tokens, namespace=node.namespace)
         self._pins.setdefault(node, []).append(receipt)
+        self._pin_node[id(receipt)] = node
         return IncLockRefResult(self.evictable_size() - before, receipt)
 
     def dec_lock_ref(
         self, node: TreeNode, params: DecLockRefParams | None = None
     ) -> DecLockRefResult:
-        """Release what `inc_lock_ref` took: the receipt in ``params``, or without one (as
-        SGLang's scheduler calls it) the latest pin of ``node`` still held. `LockError` when
-        there is none, or for a receipt released already; the root: nothing to release."""
+        """Release one pin `inc_lock_ref` took on ``node``: the receipt in ``params`` if it
+        is still held, else (as SGLang's scheduler calls it, without one) the node's latest —
+        a node's pins count like SGLang's lock counter. `LockError` when the node holds none;
+        the root: nothing to release."""
         if not isinstance(node, TreeNode):
             raise InvalidRequestError(f"expected a TreeNode, got {type(node).__name__}")
         if params is not None and not isinstance(params, DecLockRefParams):
             raise InvalidRequestError(f"expected DecLockRefParams, got {type(params).__name__}")
         receipt = None if params is None else params.receipt
-        if receipt is None:
-            if node.prefix_len == 0:
-                return DecLockRefResult(0)
-            held = self._pins.get(node)
-            if not held:
-                raise LockError("dec_lock_ref: no inc_lock_ref of this node is still held")
-            receipt = held[-1]
+        if receipt is None and node.prefix_len == 0:
+            return DecLockRefResult(0)
+        pin = self._held_pin(receipt, node)
+        if pin is None:
+            raise LockError("dec_lock_ref: no inc_lock_ref of this node is still held")
         before = self.evictable_size()
-        self.cache.unpin(receipt)  # LockError (nothing changed) if released already
-        self._forget_pin(receipt)
+        self._release_pin(pin)
         return DecLockRefResult(self.evictable_size() - before)
 
     # -- allocation (sglang.srt.mem_cache.common's alloc_for_extend / alloc_for_decode) ----
@@ -198,8 +199,9 @@ class ShadowRadixSGLangCache:
         (``total_len``; a partial last page is not inserted, as SGLang's paged tree keeps only
         page-aligned keys): pages for the part the tree lacks are allocated and inserted at
         once; the engine writes the KV into ``InsertResult.allocation`` (``None`` when nothing
-        was missing) before any forward reads it. ``prefix_len``: the tokens the tree already
-        held."""
+        was missing, or when the tree holds compressed KV of the key past its last live window:
+        then nothing is inserted) before any forward reads it. ``prefix_len``: the tokens the
+        tree already held (compressed KV)."""
         key = params.key if isinstance(params, InsertParams) else None
         if not isinstance(key, RadixKey):
             raise InvalidRequestError("expected InsertParams(key=RadixKey(...))")
@@ -210,7 +212,10 @@ class ShadowRadixSGLangCache:
             return InsertResult(0, 0, None)
         tokens = tokens[:whole]
         match = self.cache.match_prefix(tokens, namespace=key.extra_key)
-        if match.prefix_len == whole:
+        if match.cached_len > match.prefix_len or match.prefix_len == whole:
+            # all there, or the tree holds compressed KV past its last live window: pages
+            # allocated for those tokens would be duplicates, freed by the insertion and then
+            # handed out again under the engine's write; nothing is inserted
             return InsertResult(match.cached_len, whole, None)
         kv, allocation = admit_and_extend(self.cache, tokens, match, tokens[match.prefix_len :])
         self.cache.finish(kv)
@@ -262,6 +267,7 @@ class ShadowRadixSGLangCache:
         """Drop every cached prefix; `InvalidRequestError` while requests run or pins are held."""
         self.cache.reset()
         self._pins.clear()
+        self._pin_node.clear()
 
     def pretty_print(self) -> None:
         print(self.format_tree())
@@ -281,25 +287,30 @@ class ShadowRadixSGLangCache:
 
     def _release_scheduler_lock(self, req: Req) -> None:
         """Drop the pin the scheduler took with ``inc_lock_ref(req.last_node)``: its receipt
-        in ``req.lock_result``, or (SGLang's scheduler drops the result: its tree moves the
-        lock itself) the latest pin of ``req.last_node`` still held."""
-        receipt = None if req.lock_result is None else req.lock_result.receipt
-        if req.lock_result is None and req.last_node is not None:
-            held = self._pins.get(req.last_node)
-            receipt = held[-1] if held else None
-        if receipt is not None:
-            self.cache.unpin(receipt)
-            self._forget_pin(receipt)
-        req.lock_result = None
+        in ``req.lock_result`` (or, released already through ``dec_lock_ref(node)``, another
+        pin of that node), or with no result kept (SGLang's scheduler drops it: its tree moves
+        the lock itself) the latest pin of ``req.last_node``; none held: nothing."""
+        lock, req.lock_result = req.lock_result, None
+        if lock is not None and lock.receipt is None:  # the root's
+            return
+        pin = self._held_pin(None if lock is None else lock.receipt, req.last_node)
+        if pin is not None:
+            self._release_pin(pin)
 
-    def _forget_pin(self, receipt: PinReceipt) -> None:
-        for node, held in self._pins.items():
-            for i, r in enumerate(held):
-                if r is receipt:
-                    del held[i]
-                    if not held:
-                        del self._pins[node]
-                    return
+    def _held_pin(self, receipt: PinReceipt | None, node: TreeNode | None) -> PinReceipt | None:
+        """``receipt`` if this shim still holds it, else ``node``'s latest pin, else None."""
+        if receipt is not None and id(receipt) in self._pin_node:
+            return receipt
+        held = self._pins.get(node) if node is not None else None
+        return held[-1] if held else None
+
+    def _release_pin(self, pin: PinReceipt) -> None:
+        self.cache.unpin(pin)
+        node = self._pin_node.pop(id(pin))
+        held = self._pins[node]
+        held[:] = [r for r in held if r is not pin]
+        if not held:
+            del self._pins[node]
 
     def _match_for(self, req: Req) -> CoreMatch:
         node = _checked(req).last_node

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import slots
 from ..cache import ShadowRadixCache
 from ..config import CacheConfig
 from ..deltas import PageTableDelta
@@ -38,7 +39,7 @@ from ..request import Request as CoreRequest
 from ..results import Allocation, StepPlan
 from ..results import MatchResult as CoreMatch
 from ..validation import as_tokens
-from .admission import admission_check, admit_and_extend
+from .admission import admit_and_extend
 from .paths import prefix_vpages, window_swa_pages
 from .vllm_events import EventTranslator
 from .vllm_types import (
@@ -130,7 +131,8 @@ class ShadowRadixKVCacheManager:
         running request's earlier steps got published). A waiting request is admitted at
         ``new_computed_blocks`` (from `get_computed_blocks`; ``num_new_computed_tokens`` must be
         its length) or, without it, from scratch. Bad input raises `InvalidRequestError`.
-        ``full_sequence_must_fit``: ``None`` unless every token of the request left fits now;
+        ``full_sequence_must_fit``: ``None`` unless the request's tokens left fit now (its full
+        pages; the SWA pages of a window and this chunk, `_fits_whole`);
         ``has_scheduled_reqs`` and ``skip_zeroing_group_ids`` change nothing here (no block is
         zeroed); lookahead, external, encoder tokens and ``reserved_blocks`` are refused."""
         n = _count(num_new_tokens, "num_new_tokens", minimum=1)
@@ -141,11 +143,11 @@ class ShadowRadixKVCacheManager:
             if _count(value, name, minimum=0):
                 raise InvalidRequestError(f"{name} is not supported by this shim")
         tokens = _tokens_of(request)
-        if full_sequence_must_fit and not self._fits_whole(request, tokens):
-            return None
+        whole = bool(full_sequence_must_fit)
         kv = self._running.get(request.request_id)
         if kv is None:
-            return self._admit(request, tokens, n, num_new_computed_tokens, new_computed_blocks)
+            return self._admit(request, tokens, n, num_new_computed_tokens, new_computed_blocks,
+                               whole)  # fmt: skip
         if request.num_computed_tokens != kv.length:
             raise InvalidRequestError(
                 f"{request.request_id}: {request.num_computed_tokens} computed tokens, "
@@ -153,6 +155,8 @@ class ShadowRadixKVCacheManager:
             )
         chunk = _span(tokens, kv.length, n)
         as_tokens(chunk, "the request's tokens")  # bad input: refused before anything changes
+        if whole and not self._fits_whole(len(tokens), kv.length, n):
+            return None
         told = self._told[request.request_id]
         if not delay_cache_blocks and kv.num_committed // self._p > kv.tree_pages:
             # its previous steps have run: publish them (deduplication may rewrite entries)
@@ -171,6 +175,7 @@ class ShadowRadixKVCacheManager:
         n: int,
         num_computed: int,
         computed: KVCacheBlocks | None,
+        whole: bool,
     ) -> KVCacheBlocks | None:
         if request.num_computed_tokens != 0:
             raise InvalidRequestError(f"{request.request_id} is not running: 0 tokens computed")
@@ -191,6 +196,8 @@ class ShadowRadixKVCacheManager:
                 f"{match.prefix_len}"
             )
         chunk = _span(tokens, match.prefix_len, n)
+        if whole and not self._fits_whole(len(tokens), match.prefix_len, n):
+            return None
         try:
             kv, allocation = admit_and_extend(self.cache, tokens, match, chunk)
         except CapacityError:
@@ -209,14 +216,16 @@ class ShadowRadixKVCacheManager:
         self._drain()
         return self._report(told, allocation, kv.replay_allocation)
 
-    def _fits_whole(self, request: Request, tokens: list[int]) -> bool:
-        """Whether every token of ``request`` not yet allocated fits now (non-raising)."""
-        kv = self._running.get(request.request_id)
-        if kv is not None:
-            left = len(tokens) - kv.length
-            return left <= 0 or bool(self.cache.can_extend([kv], [left]))
-        match = self.cache.match_prefix(tokens, len(tokens) - 1, namespace=request.namespace)
-        return bool(admission_check(self.cache, match, len(tokens) - match.prefix_len))
+    def _fits_whole(self, total: int, start: int, n: int) -> bool:
+        """vLLM's ``full_sequence_must_fit`` gate, changing nothing: the full pages of tokens
+        ``[start, total)`` and, the SWA pool holding a window and a chunk at a time as vLLM
+        caps sliding-window groups, the SWA pages of the window plus this ``n``-token chunk,
+        each within its pool's free and evictable pages."""
+        p, st = self._p, self.cache.stats()
+        full = slots.num_pages(total, p) - slots.page_of(start, p)
+        swa = min(full, slots.num_pages(self.cache.config.window + n, p) + 1)
+        return (full <= st.full.free_pages + st.full.evictable_pages
+                and swa <= st.swa.free_pages + st.swa.evictable_pages)  # fmt: skip
 
     def free(self, request: Request) -> None:
         """Release a finished or preempted request: insert its computed pages and release the
