@@ -396,15 +396,22 @@ def test_dec_lock_ref_without_params_releases_the_latest_pin() -> None:
     assert tree.dec_lock_ref(root).delta == 0
 
 
-def test_a_pin_whose_result_the_scheduler_dropped_moves_to_the_request() -> None:
-    """SGLang's ``PrefillAdder`` calls ``inc_lock_ref(req.last_node)`` and keeps no result (its
-    tree moves the lock at admission): the admission releases that pin, so nothing leaks."""
+def _matched_after_a_served_prompt() -> tuple[ShadowRadixSGLangCache, Req]:
+    """A tree that served one prompt, and a request extending it with its match set (as the
+    scheduler's ``init_next_round_input`` sets it), not admitted yet."""
     tree = ShadowRadixSGLangCache(_config())
     prompt = list(range(1, 22))
     _serve(tree, Req("a", prompt))
     req = Req("b", prompt + [7, 8])
     m = tree.match_prefix(MatchPrefixParams(RadixKey(req.fill_ids[:-1])))
     req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
+    return tree, req
+
+
+def test_a_pin_whose_result_the_scheduler_dropped_moves_to_the_request() -> None:
+    """SGLang's ``PrefillAdder`` calls ``inc_lock_ref(req.last_node)`` and keeps no result (its
+    tree moves the lock at admission): the admission releases that pin, so nothing leaks."""
+    tree, req = _matched_after_a_served_prompt()
     tree.inc_lock_ref(req.last_node)  # the result dropped
     tree.alloc_for_extend(req, len(req.fill_ids) - len(req.prefix_indices))
     assert not tree._pins  # the request's own locks hold its path now
@@ -419,12 +426,7 @@ def test_a_scheduler_lock_released_early_through_dec_lock_ref_costs_nothing() ->
     """SGLang's ``_lock_node`` wrapper pins and unpins a node around a budget check while
     ``req.lock_result`` holds another pin of it: whichever pin the wrapper's
     ``dec_lock_ref(node)`` released, admission releases the other — no leak, no error."""
-    tree = ShadowRadixSGLangCache(_config())
-    prompt = list(range(1, 22))
-    _serve(tree, Req("a", prompt))
-    req = Req("b", prompt + [7, 8])
-    m = tree.match_prefix(MatchPrefixParams(RadixKey(req.fill_ids[:-1])))
-    req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
+    tree, req = _matched_after_a_served_prompt()
     tree.inc_lock_ref(req.last_node)  # the wrapper's, result dropped
     req.lock_result = tree.inc_lock_ref(req.last_node)
     tree.dec_lock_ref(req.last_node)  # the wrapper exits: releases the latest (the stored one)
