@@ -117,7 +117,7 @@ def add_run_parser(sub) -> None:
         "--hisparse-pages",
         type=positive,
         help="keep C4 KV in host memory with this many device pages per C4 layer (at least the "
-        "model's top-k pages plus one: 33 for the shipped models; prefill with a buffer much "
+        "model's top-k pages plus one, e.g. 33 for tiny-trained; prefill with a buffer much "
         "smaller than a prompt's C4 pages swaps at every chunk and runs far slower)",
     )
     run.add_argument(
@@ -135,8 +135,7 @@ def add_run_parser(sub) -> None:
         type=positive,
         metavar="K",
         help="speculative decoding: the MTP layer drafts K tokens per step (rejection sampling "
-        "at --temperature > 0; K + 1 at most the cache's max_draft_len: K <= 8 for the shipped "
-        "models)",
+        "at --temperature > 0; K + 1 at most the cache's max_draft_len: K <= 8 for tiny-trained)",
     )
     run.add_argument(
         "--draft",

@@ -325,7 +325,6 @@ class ShadowRadixSGLangCache:
         return self.cache.match_prefix(fill, max_len=len(fill) - 1, namespace=req.extra_key)
 
 
-
 def _key_of(params: MatchPrefixParams) -> RadixKey:
     key = params.key if isinstance(params, MatchPrefixParams) else None
     if not isinstance(key, RadixKey):

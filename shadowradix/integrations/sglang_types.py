@@ -64,9 +64,9 @@ class InsertParams:
 
 @dataclass(frozen=True)
 class InsertResult:
-    """``prefix_len``: tokens the tree held before; ``total_len``: the key's tokens in whole
-    pages (what the tree holds of it now); ``allocation``: where the engine writes the KV of the
-    rest (``None`` if nothing was missing)."""
+    """``prefix_len``: tokens the tree held before (compressed KV); ``total_len``: the key's
+    tokens in whole pages, the part an insert considers; ``allocation``: where the engine writes
+    the KV of the rest (``None``: nothing inserted — all there, or a window tombstoned)."""
 
     prefix_len: int
     total_len: int
