@@ -7,7 +7,9 @@ import argparse
 import sys
 
 from adapters.cli.demo import DemoTrace, main_demo
+from adapters.cli.flag_checks import check_pools, shape_config
 from shadowradix import CacheConfig
+from shadowradix.config import SUPPORTED_PAGE_SIZES
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -42,6 +44,17 @@ def bounded(low: int, high: int):
     return parse
 
 
+def page_size(text: str) -> int:
+    """argparse type: a page size the cache supports (a power of two, at most 256)."""
+    value = _int_at_least(text, 1)
+    if value not in SUPPORTED_PAGE_SIZES:
+        raise argparse.ArgumentTypeError(
+            f"{value} is not a power of two from {SUPPORTED_PAGE_SIZES[0]} to "
+            f"{SUPPORTED_PAGE_SIZES[-1]}"
+        )
+    return value
+
+
 def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
@@ -54,8 +67,8 @@ def _int_at_least(text: str, low: int) -> int:
 
 def add_demo_parser(sub) -> None:  # type: ignore[no-untyped-def]
     demo = sub.add_parser("demo", help="replay a built-in multi-turn chat trace through the cache")
-    demo.add_argument("--page-size", type=positive, default=64,
-                      help="tokens per page, a power of two (default 64)")  # fmt: skip
+    demo.add_argument("--page-size", type=page_size, default=64,
+                      help="tokens per page: a power of two, at most 256 (default 64)")  # fmt: skip
     demo.add_argument("--full-tokens", type=positive, default=64 * 1024,
                       help="full pool capacity in tokens (default 65536)")  # fmt: skip
     demo.add_argument("--swa-tokens", type=positive, default=16 * 1024,
@@ -68,6 +81,8 @@ def add_demo_parser(sub) -> None:  # type: ignore[no-untyped-def]
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    shape = shape_config(CacheConfig, args.page_size, CacheConfig.window)
+    check_pools(shape, args.full_tokens, args.swa_tokens)
     config = CacheConfig(
         page_size=args.page_size,
         full_capacity=args.full_tokens,

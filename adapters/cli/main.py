@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import io
 import math
 import sys
 
@@ -11,9 +12,11 @@ from adapters.cli.cli_args import (
     OneLineParser,
     add_demo_parser,
     bounded,
+    page_size,
     positive,
     run_demo,
 )
+from adapters.cli.flag_checks import in_flag_terms
 from adapters.model.model_config import PRESETS
 from shadowradix.errors import ShadowRadixError
 
@@ -57,7 +60,9 @@ def _positive_float(text: str) -> float:
 def add_run_parser(sub) -> None:
     run = sub.add_parser("run", help="decode prompts end to end with the embedded model")
     run.add_argument("prompts", nargs="*", help="prompt texts (default: a built-in chat set)")
-    run.add_argument("--file", help="read prompts from a file, one per non-empty line")
+    run.add_argument("--file", metavar="PATH",
+                     help="read prompts from a file, one per non-empty line ('-': standard "
+                     "input)")  # fmt: skip
     run.add_argument(
         "--model",
         choices=sorted(PRESETS),
@@ -77,7 +82,7 @@ def add_run_parser(sub) -> None:
                      help="sampling temperature; 0 is greedy (default)")  # fmt: skip
     run.add_argument("--seed", type=bounded(0, 2**62 - 1), default=0,
                      help="sampling seed: prompt i samples with seed + i (default 0)")  # fmt: skip
-    run.add_argument("--page-size", type=positive, default=64,
+    run.add_argument("--page-size", type=page_size, default=64,
                      help="tokens per cache page: a power of two, at most 256 (default 64)")
     run.add_argument("--full-tokens", type=positive,
                      help="full (compressed) pool capacity in tokens (default 65536)")  # fmt: skip
@@ -160,26 +165,38 @@ def add_run_parser(sub) -> None:
 
 
 def _prompts(args) -> list[str]:
-    """The prompts to run: the arguments, then the file's non-empty lines; the built-in set
-    only when neither was given. Raises `ValueError` for a file without a prompt."""
+    """The prompts to run: the arguments, then the non-empty lines of ``--file`` (``-``:
+    standard input); the built-in set only when neither was given. Raises `ValueError` for a
+    file without a prompt or not UTF-8, `OSError` (naming ``--file``) for one that cannot be
+    read."""
     texts = list(args.prompts)
     if args.file is not None and not args.file.strip():
         raise ValueError("--file: an empty path")
     if any(not text for text in texts):
         raise ValueError("an empty prompt: give it some text (BOS alone predicts nothing)")
     if args.file:
+        name = "standard input (--file -)" if args.file == "-" else args.file
         try:
-            with open(args.file, encoding="utf-8") as fh:
-                lines = [line.rstrip("\n") for line in fh if line.strip()]
+            lines = [line.rstrip("\n") for line in _prompt_lines(args.file) if line.strip()]
         except UnicodeDecodeError as exc:
-            raise ValueError(
-                f"{args.file}: not UTF-8 text ({exc.reason})"
-            ) from None
-
+            raise ValueError(f"{name}: not UTF-8 text ({exc.reason})") from None
+        except OSError as exc:
+            raise OSError(f"--file {args.file}: {exc.strerror or exc}") from None
         if not lines:
-            raise ValueError(f"{args.file}: no prompts (every line is empty)")
+            raise ValueError(f"{name}: no prompts (every line is empty)")
         texts += lines
     return texts or [DEFAULT_SYSTEM + "Q: " + q + " A:" for q in DEFAULT_QUESTIONS]
+
+
+def _prompt_lines(path: str) -> list[str]:
+    """The lines of ``path`` (``-``: standard input, read as UTF-8 whatever its encoding),
+    newlines translated as text files read them."""
+    if path != "-":
+        with open(path, encoding="utf-8") as fh:
+            return list(fh)
+    stream = getattr(sys.stdin, "buffer", None)
+    text = sys.stdin.read() if stream is None else stream.read().decode("utf-8")
+    return list(io.StringIO(text, newline=None))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
               "--swa-tokens)", file=sys.stderr)  # fmt: skip
         return 2
     except (ValueError, OSError, ShadowRadixError) as exc:
-        print(f"shadowradix {args.command}: error: {exc}", file=sys.stderr)
+        print(f"shadowradix {args.command}: error: {in_flag_terms(str(exc))}", file=sys.stderr)
         return 2
 
 

@@ -10,15 +10,27 @@ import time
 import torch
 from tqdm import tqdm
 
+from adapters.cli.flag_checks import (
+    FlagError,
+    check_chunk,
+    check_device,
+    check_hisparse,
+    check_pools,
+    check_speculative,
+    check_temperature,
+    in_flag_terms,
+    shape_config,
+)
 from adapters.engine.budget_runner import budget_runner
 from adapters.engine.drafts import DraftSource
 from adapters.engine.eagle_draft import EagleDraft
 from adapters.engine.runner import GenerationResult, Runner, SchedulePolicy
-from adapters.engine.sampling import SamplingParams
+from adapters.engine.sampling import MAX_TEMPERATURE, SamplingParams
 from adapters.memory.device import resolve_device
 from adapters.memory.formats import CacheFormat
 from adapters.model.eagle import load_shipped_eagle
 from adapters.model.model_config import ModelConfig, preset
+from adapters.model.tempered import MIN_TEMPERATURE
 from adapters.model.tokenizer import ByteTokenizer
 from adapters.model.weights import ModelWeights
 from adapters.model.weights_file import (
@@ -36,7 +48,8 @@ DEFAULT_FULL_TOKENS, DEFAULT_SWA_TOKENS = 64 * 1024, 8 * 1024
 def build_runner(args: argparse.Namespace) -> Runner:
     """The runner ``args`` describe: pools of ``--full-tokens`` / ``--swa-tokens``, or sized
     from ``--pool-budget-gib`` and re-balanced at run time. Raises `ValueError` for
-    contradicting options."""
+    contradicting options, `FlagError` (naming the flag) for a value the runner would refuse."""
+    check_device(args.device)
     model = preset(args.model if args.model is not None else default_preset())
     if args.layers is not None:
         if args.weights is None and model.name in SHIPPED and args.layers != model.num_layers:
@@ -45,6 +58,7 @@ def build_runner(args: argparse.Namespace) -> Runner:
                 f"{model.num_layers} layers; use --model tiny (random weights) or --weights FILE"
             )
         model = model.first_layers(args.layers)
+    _check_flags(args, model)
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the Runner's default
     weights = _weights(args, model, device, dtype)
@@ -77,6 +91,7 @@ def build_runner(args: argparse.Namespace) -> Runner:
             swa_capacity=args.swa_tokens or DEFAULT_SWA_TOKENS,
             **cache_kwargs,
         )
+        check_chunk(cache, args.chunk_tokens)
         return Runner(model, cache, **options)  # type: ignore[arg-type]
     if args.full_tokens is not None or args.swa_tokens is not None:
         raise ValueError("--pool-budget-gib sizes the pools: drop --full-tokens / --swa-tokens")
@@ -95,16 +110,35 @@ def build_runner(args: argparse.Namespace) -> Runner:
             **options,  # type: ignore[arg-type]
         )
     except ConfigError as exc:  # a budget too small for one window, say
-        raise ValueError(f"--pool-budget-gib {budget:g}: {exc}") from exc
+        ratio_flag = "" if args.swa_full_ratio is None else f" --swa-full-ratio {ratio:g}"
+        raise ValueError(f"--pool-budget-gib {budget:g}{ratio_flag}: {in_flag_terms(str(exc))}"
+                         ) from exc  # fmt: skip
+
+
+def _check_flags(args: argparse.Namespace, model: ModelConfig) -> None:
+    """The flag values the cache or the runner would refuse, as `FlagError`s naming them
+    (those that depend on pools sized from ``--pool-budget-gib`` are the runner's)."""
+    p, speculative = args.page_size, args.speculative is not None
+    shape = shape_config(model.cache_config, p, model.window, speculative=speculative)
+    if getattr(args, "pool_budget_gib", None) is None:  # (with it: no HiSparse, exit 2)
+        full = args.full_tokens or DEFAULT_FULL_TOKENS
+        check_pools(shape, full, args.swa_tokens or DEFAULT_SWA_TOKENS)
+        check_hisparse(args.hisparse_pages, model.index_topk)
+    check_speculative(shape, args.speculative, args.bounded_replay)
+    check_temperature(args.temperature, MIN_TEMPERATURE, MAX_TEMPERATURE)
 
 
 def _weights(
     args: argparse.Namespace, model: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> ModelWeights | None:
     """``--weights PATH``, else a trained preset's shipped file (checked against its recorded
-    SHA-256), else ``None``: the preset's seeded random weights. Raises `WeightsError`."""
+    SHA-256), else ``None``: the preset's seeded random weights. Raises `WeightsError`, `OSError`
+    naming ``--weights``."""
     if getattr(args, "weights", None) is not None:
-        return load_weights(args.weights, model, device, dtype)
+        try:
+            return load_weights(args.weights, model, device, dtype)
+        except OSError as exc:  # missing, a directory, unreadable
+            raise OSError(f"--weights {args.weights}: {exc.strerror or exc}") from None
     if model.name in SHIPPED:
         return load_shipped(model, device, dtype)
     return None
@@ -134,8 +168,8 @@ def _weights_source(args: argparse.Namespace, model: ModelConfig) -> str:
 def _budget_bytes(gib: float | None) -> int | None:
     if gib is None:
         return None
-    if not gib > 0:
-        raise ValueError("--memory-budget-gib must be positive")
+    if not gib * 2**30 >= 1:
+        raise FlagError(f"--memory-budget-gib {gib:g}: less than one byte")
     return int(gib * 2**30)
 
 
@@ -172,7 +206,7 @@ def run_command(args: argparse.Namespace, texts: list[str]) -> int:
                     own = dataclasses.replace(params, seed=args.seed + order)
                     ids[runner.submit(prompt, own)] = order
                 except InvalidRequestError as exc:  # the others still run
-                    bars.note(f"[{order}] refused: {exc}")
+                    bars.note(f"[{order}] refused: {in_flag_terms(str(exc))}")
                     refused += 1
                     bars.refuse(len(prompt), args.max_new_tokens)
                 order += 1
