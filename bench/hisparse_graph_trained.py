@@ -37,7 +37,7 @@ from adapters.memory.device import resolve_device  # noqa: E402
 from adapters.memory.residency import COMMIT_EVERY  # noqa: E402
 from adapters.model.model_config import preset  # noqa: E402
 from adapters.model.tokenizer import BOS  # noqa: E402
-from adapters.model.weights_file import load_shipped  # noqa: E402
+from adapters.model.weights_file import file_sha256, load_shipped, load_weights  # noqa: E402
 from adapters.training.corpus import load_split  # noqa: E402
 from bench.meta import run_meta  # noqa: E402
 from bench.quality import default_data  # noqa: E402
@@ -289,13 +289,22 @@ def main() -> int:
                     help="after the timed steps, replay the last graph alone this many times")
     ap.add_argument("--hisparse-first", action="store_true",
                     help="run the HiSparse arms before the all-resident one (order effects)")
+    ap.add_argument("--weights", help="a weights file (python -m adapters.train --out): its own "
+                    "model; default the shipped tiny-trained")  # fmt: skip
     ap.add_argument("--json")
     args = ap.parse_args()
     meta = run_meta()
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = preset("tiny-trained")
-    weights = load_shipped(model, device, dtype)
+    if args.weights:
+        weights = load_weights(args.weights, None, device, dtype)
+        model = weights.config
+        sha = file_sha256(args.weights)
+        about = f"{model.name}, trained weights {args.weights} (SHA-256 {sha})"
+    else:
+        model = preset("tiny-trained")
+        weights = load_shipped(model, device, dtype)
+        about = "tiny-trained (trained weights, real text)"
     docs = documents(args)
     pages = sum(-(-len(d) // args.page_size) for d in docs)  # C4 pages the batch holds
     buffer = max(model.index_topk + 2, int(args.buffer_fraction * pages))
@@ -328,12 +337,12 @@ def main() -> int:
     res = rows["resident"]
     hsp = rows[f"hisparse_every_{args.commit_every[0]}"]
     ratio = hsp["ratio"]
-    out = dict(meta=meta, args=vars(args), model="tiny-trained (trained weights, real text)",
+    out = dict(meta=meta, args=vars(args), model=about,
                dtype=str(dtype), c4_pages=pages, buffer_pages=buffer, resident=res,
                hisparse=hsp, arms=rows, ratio=ratio, ratio_basis="mean step time",
                target=0.95, met=ratio >= 0.95, equal_share=hsp["equal_share"])  # fmt: skip
     print(
-        f"# tiny-trained, {dtype}, {device}: {args.batch} x {args.context} bytes of "
+        f"# {about}, {dtype}, {device}: {args.batch} x {args.context} bytes of "
         f"{args.split} text, buffer {buffer} of {pages} pages ({buffer / pages:.0%})"
     )
     for name, r in rows.items():
