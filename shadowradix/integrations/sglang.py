@@ -1,6 +1,6 @@
 """An SGLang-shaped prefix cache over `ShadowRadixCache`: the method names and semantics of
-sglang 0.5.18's ``BasePrefixCache`` as its scheduler calls it (docs/integrations.md: what 0.5.23
-changed), with arguments and results as plain records of our own
+sglang 0.5.18's ``BasePrefixCache`` as its scheduler calls it (0.5.23's call shapes: `sglang0523`,
+over this one), with arguments and results as plain records of our own
 (`sglang_types`; no sglang import, no torch).
 
 How SGLang's scheduler calls a tree cache, and what each call does here::
@@ -82,9 +82,10 @@ class ShadowRadixSGLangCache:
         tokens = key.token_ids if len(key.token_ids) else [0]  # an empty key: the empty match
         match = self.cache.match_prefix(tokens, len(key.token_ids), namespace=key.extra_key)
         self._namespaces[key.extra_key] = None
-        node = TreeNode(match.prefix_len, match.tokens[: match.prefix_len], key.extra_key, match)
-        branching = match.cached_len if match.cached_len > match.prefix_len else None
         indices = slots_of(prefix_vpages(match), match.prefix_len, self.page_size)
+        prefix = match.tokens[: match.prefix_len]
+        node = TreeNode(match.prefix_len, prefix, key.extra_key, match, _read_only(indices))
+        branching = match.cached_len if match.cached_len > match.prefix_len else None
         return MatchResult(indices, node, node, node, 0, branching, match.cached_len)
 
     def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
@@ -120,6 +121,10 @@ class ShadowRadixSGLangCache:
         before = self.evictable_size()
         self._release_pin(pin)
         return DecLockRefResult(self.evictable_size() - before)
+
+    def holds_pin(self, receipt: PinReceipt) -> bool:
+        """Whether ``receipt`` (an `inc_lock_ref` result's) is still held here."""
+        return id(receipt) in self._pin_node
 
     # -- allocation (sglang.srt.mem_cache.common's alloc_for_extend / alloc_for_decode) ----
 
@@ -179,8 +184,7 @@ class ShadowRadixSGLangCache:
         kv = _running(req)
         self.cache.cache_unfinished(kv)
         req.prefix_indices = slots_of(kv.vpages, kv.num_committed, self.page_size)
-        tree_len = kv.tree_pages * self.page_size
-        req.last_node = TreeNode(tree_len, kv.token_array()[:tree_len].copy(), req.extra_key)
+        req.last_node = tree_node_of(kv, req.extra_key, self.page_size)
 
     def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         """Insert the computed pages (unless ``is_insert=False``: a retraction) and release
@@ -323,6 +327,19 @@ class ShadowRadixSGLangCache:
             return node.match
         fill = req.fill_ids
         return self.cache.match_prefix(fill, max_len=len(fill) - 1, namespace=req.extra_key)
+
+
+def tree_node_of(kv: Request, namespace: Hashable, page_size: int) -> TreeNode:
+    """The handle on the tree prefix of running request ``kv``: its inserted whole pages."""
+    tree_len = kv.tree_pages * page_size
+    indices = _read_only(slots_of(kv.vpages, tree_len, page_size))
+    return TreeNode(tree_len, kv.token_array()[:tree_len].copy(), namespace, None, indices)
+
+
+def _read_only(indices: np.ndarray) -> np.ndarray:
+    out = indices.copy()
+    out.flags.writeable = False
+    return out
 
 
 def _key_of(params: MatchPrefixParams) -> RadixKey:

@@ -15,6 +15,9 @@ from ..request import Request
 from ..results import Allocation
 from ..results import MatchResult as CoreMatch
 
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+
 
 @dataclass(frozen=True)
 class RadixKey:
@@ -33,12 +36,15 @@ class MatchPrefixParams:
 class TreeNode:
     """A handle on a tree prefix: the first ``prefix_len`` tokens, ``tokens``, of
     ``namespace``. ``match`` is the core's match a ``match_prefix`` found (what the request
-    admission resumes from); ``None`` for the handles ``cache_unfinished_req`` returns."""
+    admission resumes from); ``None`` for the handles ``cache_unfinished_req`` returns.
+    ``device_indices``: the prefix's KV indices (virtual slots, read-only) when the handle was
+    made: valid while the path is locked (sglang's ``path_device_indices`` contract)."""
 
     prefix_len: int
     tokens: np.ndarray = field(repr=False)
     namespace: Hashable = None
     match: CoreMatch | None = field(default=None, repr=False)
+    device_indices: np.ndarray = field(default_factory=lambda: _EMPTY, repr=False)
 
 
 @dataclass(frozen=True)
