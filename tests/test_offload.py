@@ -10,7 +10,6 @@ import pytest
 import torch
 from small_models import SMALL as SMALL_MODEL
 
-from adapters.engine.modes import UnsupportedModeError
 from adapters.engine.runner import Runner
 from adapters.engine.sampling import SamplingParams
 from adapters.memory.offload import C4Offload
@@ -126,19 +125,6 @@ def _hand_driven(cc, log: EventLog | None = None) -> C4Offload:
 def test_bad_hisparse_configurations() -> None:
     with pytest.raises(ValueError, match="top-"):
         make_runner(16, hisparse=MODEL.index_topk)  # cannot hold one query's reads + a write
-    cc = MODEL.cache_config(page_size=16, full_capacity=16 * 40, swa_capacity=16 * 12)
-    with pytest.raises(UnsupportedModeError, match="graph verify steps do not read"):
-        Runner(  # graph decode + HiSparse works; with speculation (graph verify) it does not
-            MODEL,
-            cc,
-            device="cpu",
-            weights=weights(),
-            dtype=torch.float64,
-            chunk_tokens=24,
-            hisparse_pages=8,
-            graph_decode=True,
-            speculative_tokens=2,
-        )
     cc2 = MODEL.cache_config(page_size=2, full_capacity=2 * 200, swa_capacity=2 * 60)
     with pytest.raises(ValueError, match="page size"):
         Runner(

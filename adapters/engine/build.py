@@ -134,21 +134,24 @@ def make_model_runner(
     """The model runner over ``paged``, with the graph decoder (``graph``, plain decode; with
     HiSparse its C4 KV through `GraphResidency`; ``multi_stream``: its attention prep on a
     side stream) or the graph verifier (``graph`` and ``speculative``: verify steps of
-    ``spec_tokens + 1``; not with HiSparse, `modes`)."""
+    ``spec_tokens + 1``, with HiSparse through a residency of ``max_batch * (spec_tokens + 1)``
+    query rows)."""
     weights, pools, cc = paged.weights, paged.pools, paged.cache.config
     decoder = verifier = None
+    rows = max_batch * (spec_tokens + 1 if speculative else 1)  # query rows of a graph step
+    hisparse = None
+    if graph and paged.offload is not None:  # HiSparse in the graph (`GraphResidency`)
+        hisparse = GraphResidency(paged.offload, weights.config, rows)
     if graph and not speculative:
-        hisparse = None
-        if paged.offload is not None:  # HiSparse decode in the graph (`GraphResidency`)
-            hisparse = GraphResidency(paged.offload, weights.config, max_batch)
         decoder = GraphDecoder(
             weights, pools, cc, max_batch, cc.full_capacity, engram=paged.engram,
             hisparse=hisparse, multi_stream=multi_stream,
         )  # fmt: skip
     elif graph:
         verifier = GraphVerifier(
-            weights, pools, cc, max_batch, cc.full_capacity, spec_tokens + 1, mtp=paged.mtp
-        )
+            weights, pools, cc, max_batch, cc.full_capacity, spec_tokens + 1, mtp=paged.mtp,
+            hisparse=hisparse,
+        )  # fmt: skip
     return ModelRunner(paged, decoder, verifier, paged.stats)
 
 

@@ -122,10 +122,6 @@ _REPLAY_SPEC = (
     "bounded replay cannot be combined with speculative decoding (DeepSeek-V4's design "
     "describes encoder-side replay as incompatible with it; CacheConfig refuses the pair)"
 )
-_HISPARSE_GRAPH_VERIFY = (
-    "graph verify steps do not read HiSparse's C4 KV yet (the graph verifier has no residency "
-    "table); speculation with HiSparse runs its verify steps paged: pass graph_decode=False"
-)
 _MULTI_STREAM_SPEC = (
     "speculative decode steps run through the graph verifier, whose attention prep is on one "
     "stream"
@@ -178,9 +174,11 @@ NOTES: dict[tuple[Mode, Mode], str] = {
     (M.BOUNDED_REPLAY, M.HISPARSE): "replay slices are cut to fit the HiSparse buffer",
     (M.GRAPH_DECODE, M.HISPARSE): "graph decode reads the C4 KV through a device residency "
     "table: buffer rows, or the pinned host mirror zero-copy (adapters/memory/residency.py)",
-    (M.SPECULATION, M.HISPARSE): "verify steps run paged through the executor; rolled-back "
-    "drafts end their pages' lives by FREED events (graph verify with HiSparse is refused)",
-    (M.MTP_DRAFT, M.HISPARSE): "the MTP state is outside HiSparse; verify steps run paged",
+    (M.SPECULATION, M.HISPARSE): "verify steps read the C4 KV through the executor (paged) or "
+    "the residency table (graph verify); rolled-back drafts end their pages' lives by FREED "
+    "events",
+    (M.MTP_DRAFT, M.HISPARSE): "the MTP state is outside HiSparse; its verify steps read the C4 "
+    "KV as any draft's do",
     (M.OVERLAP, M.HISPARSE): "exact: a graph step's swap-ins are planned from the previous "
     "step's selection after the next launch; the gain over that is not measured",
     (M.SPECULATION, M.SAMPLING): "rejection sampling: the target's distribution, not the "
@@ -205,11 +203,10 @@ TRIPLES: dict[tuple[Mode, Mode, Mode], str] = {
     (M.SPECULATION, M.GRAPH_DECODE, M.REBALANCE): "the verifier's tables follow re-balances",
     (M.GRAPH_DECODE, M.HISPARSE, M.SHARING): "consumer C4 layers read their source's buffer "
     "or mirror through the source's residency table",
-}
-#: triples refused although each of their pairs works (checked by `refusals`)
-REFUSED_TRIPLES: dict[tuple[Mode, Mode, Mode], str] = {
-    (M.GRAPH_DECODE, M.SPECULATION, M.HISPARSE): _HISPARSE_GRAPH_VERIFY,
-    (M.GRAPH_DECODE, M.MTP_DRAFT, M.HISPARSE): _HISPARSE_GRAPH_VERIFY,
+    (M.GRAPH_DECODE, M.SPECULATION, M.HISPARSE): "graph verify reads and writes the C4 KV "
+    "through a residency table of batch x (k + 1) query rows",
+    (M.GRAPH_DECODE, M.MTP_DRAFT, M.HISPARSE): "graph verify with HiSparse, the MTP state "
+    "outside it",
 }
 _ENGRAM_SPEC = (
     "the verify and draft paths (graph verifier, MTP layer, EAGLE head) do not wire the Engram "
@@ -329,9 +326,6 @@ def refusals(modes: Modes) -> Iterator[UnsupportedModeError]:
     for (a, b), why in REFUSED.items():
         if a in modes and b in modes:
             yield UnsupportedModeError((a, b), why)
-    for (a, b, c), why in REFUSED_TRIPLES.items():
-        if a in modes and b in modes and c in modes:
-            yield UnsupportedModeError((b, c), why)
     for (feature, mode), why in FEATURE_REFUSED.items():
         if feature in modes.features and mode in modes:
             yield UnsupportedModeError((feature, mode), why)

@@ -15,6 +15,13 @@ captured once as a CUDA graph; on the CPU the same code runs eagerly.
 Rejected drafts leave page ids beyond a request's committed pages that went back to the
 allocator: the `rollback` deltas cut the rows' extents and the next extend's deltas write the
 pages it allocates there (`block_tables.DeviceTables`); nothing is re-uploaded.
+
+With HiSparse (``hisparse``: a `GraphResidency` sized for ``max_batch * T`` query rows) the C4
+KV is read and written through the residency table exactly as in a decode step, T rows per
+request: entries of rejected drafts were written through to the mirror (and a resident
+buffer page) like any other; no later step reads them before the accepted tokens rewrite
+their slots, and a page the rollback freed ends its life by the cache's FREED event
+(`GraphResidency.before_step`), as a finished request's does.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from adapters.forward.graph_meta import StepMeta, step_metadata
 from adapters.forward.mtp import write_state
 from adapters.memory.device import upload
 from adapters.memory.pools import KVPools
+from adapters.memory.residency import GraphResidency
 from adapters.model import ops
 from adapters.model.model import final_hidden, head_logits
 from adapters.model.weights import ModelWeights
@@ -77,8 +85,11 @@ class VerifyKeys(GraphKeys):
     """`KeySource` of one verify step over `StepMeta`: `GraphKeys` (V4.1 sharing and the
     tail-only mask included) with ``T`` query rows per request."""
 
-    def __init__(self, weights: ModelWeights, pools: KVPools, meta: StepMeta, t_len: int):
-        super().__init__(weights, pools, meta)
+    def __init__(
+        self, weights: ModelWeights, pools: KVPools, meta: StepMeta, t_len: int,
+        hisparse: GraphResidency | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(weights, pools, meta, hisparse)
         self.t_len = t_len
 
     def _compress_fused_on_cpu(self, layer, comp, sm, ring, pool) -> None:
@@ -90,8 +101,9 @@ class VerifyKeys(GraphKeys):
 
 class GraphVerifier(GraphDecoder):
     """Verify steps of ``num_tokens`` tokens per request from raw batch state; with ``mtp``
-    also the MTP layer's state of every row. CUDA graphs per (batch, context) bucket on GPU,
-    eager on the CPU (tested in CI against the paged path and the reference)."""
+    also the MTP layer's state of every row; with ``hisparse`` the C4 KV through its residency
+    table (module docstring). CUDA graphs per (batch, context) bucket on GPU, eager on the CPU
+    (tested in CI against the paged path and the reference)."""
 
     def __init__(
         self,
@@ -104,12 +116,19 @@ class GraphVerifier(GraphDecoder):
         mtp: bool = False,
         use_graphs: bool | None = None,
         min_context_bucket: int = 1024,
+        hisparse: GraphResidency | None = None,
     ) -> None:
         if mtp and pools.page_hidden is None:
             raise ValueError("MTP state needs KVPools(..., mtp=True)")
+        if hisparse is not None and hisparse.max_rows < max_batch * num_tokens:
+            raise ValueError(
+                f"the residency holds {hisparse.max_rows} query rows a step, verify steps have "
+                f"up to {max_batch} x {num_tokens}"
+            )
         super().__init__(
-            weights, pools, cache, max_batch, max_context, use_graphs, min_context_bucket
-        )
+            weights, pools, cache, max_batch, max_context, use_graphs, min_context_bucket,
+            hisparse=hisparse,
+        )  # fmt: skip
         self.buffers: VerifyBuffers = VerifyBuffers(  # type: ignore[assignment]
             cache, max_batch, max_context, num_tokens, weights
         )
@@ -122,7 +141,7 @@ class GraphVerifier(GraphDecoder):
         buf, w = self.buffers, self.weights
         meta = step_metadata(self.cache, self.pools, buf, batch, context)
         meta = _with_late_mask(meta, self.pools)
-        keys = VerifyKeys(w, self.pools, meta, self.num_tokens)
+        keys = VerifyKeys(w, self.pools, meta, self.num_tokens, self.hisparse)
         tokens = buf.block[:batch].reshape(-1)
         hidden = final_hidden(w, tokens, meta.positions, keys)
         if self.mtp:
@@ -157,6 +176,8 @@ class GraphVerifier(GraphDecoder):
             raise ValueError(f"a verify step takes exactly {self.num_tokens} tokens per request")
         if drafts is not None and tuple(drafts.shape) != (len(chunks), self.num_tokens - 1):
             raise ValueError(f"device drafts must be ({len(chunks)}, {self.num_tokens - 1})")
+        if self.hisparse is not None:
+            self.hisparse.before_step()
         self.buffers.load_block(requests, chunks, prev_hidden, deltas, drafts)
         longest = max(r.length for r in requests)
         context = context_bucket(longest, self.min_context_bucket, self.buffers.max_context)
@@ -165,5 +186,8 @@ class GraphVerifier(GraphDecoder):
             packed = self._run(batch, context)
         else:  # pragma: no cover - needs a GPU
             packed = self._replay(batch, context)
+        if self.hisparse is not None:  # the last window planned while this step runs
+            self.hisparse.after_launch(batch * self.num_tokens)
+            self.hisparse.after_step()
         n, v = len(requests) * self.num_tokens, self.weights.config.vocab_size
         return packed[:n, :v].float(), packed[:n, v:].to(self.weights.dtype)
