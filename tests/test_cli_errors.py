@@ -63,6 +63,9 @@ def _one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["run", "x", "--hisparse-pages", "3"],
          "--hisparse-pages 3 cannot hold one query's top-32 pages plus the page it writes: "
          "at least 33"),
+        (["run", "x", "--hisparse-pages", "64", "--speculative", "2"],
+         "--hisparse-pages 64 cannot hold a verify step of --speculative 2: 3 queries' top-32 "
+         "pages plus 2 written, at least 98"),
         (["run", "x", "--memory-budget-gib", "1e-30"], "--memory-budget-gib 1e-30: less than one"),
         (["run", "x", "--temperature", "1e300"],
          "--temperature 1e+300: must be 0 (greedy) or in [0.001, 1000]"),

@@ -11,6 +11,8 @@ mirror, swap-ins), and a lying device table must change the tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from small_models import one_thread
@@ -89,6 +91,32 @@ def test_a_corrupted_table_changes_the_verified_tokens() -> None:
     res.sync_table = _corrupt_after_sync(res)  # type: ignore[method-assign]
     assert generate(runner) != resident_outputs()
     assert res.hit_rate()[0] > 0
+
+
+def test_a_graph_step_needs_only_the_pages_it_writes_to_fit() -> None:
+    """Every request's verify step runs at once in graphs (misses are read from the mirror);
+    the eager executor's bound, every page k + 1 queries may read, fits none of them here."""
+    runner = make_runner(BUFFER_PAGES)
+    for prompt in prompts():  # long outputs: the first still decodes when the last prefilled
+        runner.submit(prompt, SamplingParams(max_new_tokens=300))
+    while runner.num_prefilling:  # prefill runs paged: one token a step in 5 pages
+        runner.step()
+    seqs = runner.budget.decode_rows()
+    assert len(seqs) == 3 and runner.budget.fit_decode_batch(seqs) == seqs
+    runner.budget.config = dataclasses.replace(runner.budget.config, graph_reads=False)
+    assert runner.budget.fit_decode_batch(seqs) == []  # each needs min(4 x 4 + 1, its pages)
+
+
+def test_a_buffer_too_small_for_a_paged_verify_step_is_refused() -> None:
+    cc = MODEL.cache_config(page_size=PAGE, full_capacity=640, swa_capacity=192, speculative=True)
+    kw = dict(device="cpu", dtype=torch.float64, weights=weights(), chunk_tokens=24,
+              graph_decode=False, speculative_tokens=K)  # fmt: skip
+    need = (K + 1) * MODEL.index_topk + 2
+    with pytest.raises(ValueError, match=f"paged verify step.*at least {need}"):
+        Runner(MODEL, cc, hisparse_pages=need - 1, **kw)  # type: ignore[arg-type]
+    assert Runner(MODEL, cc, hisparse_pages=need, **kw).offload is not None  # type: ignore[arg-type]
+    graph = Runner(MODEL, cc, hisparse_pages=BUFFER_PAGES, **{**kw, "graph_decode": True})  # type: ignore[arg-type]
+    assert graph.model_runner.verifier is not None
 
 
 def test_a_residency_too_small_for_the_verify_rows_is_refused() -> None:

@@ -110,8 +110,12 @@ def runner_kwargs(modes: frozenset[Mode]) -> dict[str, object]:
     """`Runner` arguments turning ``modes`` on (and nothing else)."""
     model = SHARED if M.SHARING in modes else PLAIN
     kw: dict[str, object] = {"graph_decode": M.GRAPH_DECODE in modes}
-    if M.HISPARSE in modes:
-        kw["hisparse_pages"] = SMALL["index_topk"] + 1  # swap-ins, cut chunks
+    if M.HISPARSE in modes:  # swap-ins, cut chunks; a paged verify step's 3 queries fit
+        paged_verify = M.GRAPH_DECODE not in modes and (
+            M.SPECULATION in modes or M.MTP_DRAFT in modes
+        )
+        topk = SMALL["index_topk"]
+        kw["hisparse_pages"] = 3 * topk + 2 if paged_verify else topk + 1
     if M.OVERLAP in modes:
         kw["overlap"] = True
     if M.TAIL_ONLY in modes:

@@ -97,12 +97,19 @@ def check_speculative(shape: CacheConfig, draft_tokens: int | None, bounded_repl
         )
 
 
-def check_hisparse(pages: int | None, index_topk: int) -> None:
-    """``--hisparse-pages``: one query's top-k pages plus the page it writes."""
+def check_hisparse(pages: int | None, index_topk: int, speculative: int | None = None) -> None:
+    """``--hisparse-pages``: one query's top-k pages plus the page it writes; with
+    ``--speculative K`` (verify steps run paged) ``K + 1`` queries' pages plus two written."""
     if pages is not None and pages < index_topk + 1:
         raise FlagError(
             f"--hisparse-pages {pages} cannot hold one query's top-{index_topk} pages plus the "
             f"page it writes: at least {index_topk + 1}"
+        )
+    t = 1 + (speculative or 0)
+    if pages is not None and t > 1 and pages < t * index_topk + 2:
+        raise FlagError(
+            f"--hisparse-pages {pages} cannot hold a verify step of --speculative {t - 1}: "
+            f"{t} queries' top-{index_topk} pages plus 2 written, at least {t * index_topk + 2}"
         )
 
 

@@ -122,8 +122,9 @@ def add_run_parser(sub) -> None:
         "--hisparse-pages",
         type=positive,
         help="keep C4 KV in host memory with this many device pages per C4 layer (at least the "
-        "model's top-k pages plus one, e.g. 33 for tiny-trained; prefill with a buffer much "
-        "smaller than a prompt's C4 pages swaps at every chunk and runs far slower)",
+        "model's top-k pages plus one, e.g. 33 for tiny-trained; with --speculative K, (K + 1) "
+        "x top-k + 2; prefill with a buffer much smaller than a prompt's C4 pages swaps at "
+        "every chunk and runs far slower)",
     )
     run.add_argument(
         "--tail-only",

@@ -86,15 +86,29 @@ def check_speculation(
     return draft
 
 
-def check_hisparse(model: ModelConfig, hisparse_pages: int | None) -> None:
-    """A HiSparse buffer that holds one query's top-k pages plus the page it writes (its
-    combinations with other modes: `modes.check_modes`)."""
+def check_hisparse(
+    model: ModelConfig, hisparse_pages: int | None, graph: bool = False,
+    speculative_tokens: int | None = None,
+) -> None:  # fmt: skip
+    """A HiSparse buffer that holds one query's top-k pages plus the page it writes, and with
+    speculation run paged (not ``graph``: the eager executor needs every page a step reads
+    resident) one verify step's ``k + 1`` queries' pages plus the two pages they may write.
+    Graph steps read missing pages from the host mirror. Its combinations with other modes:
+    `modes.check_modes`."""
     if hisparse_pages is None:
         return
-    if hisparse_pages < model.index_topk + 1:
+    k = model.index_topk
+    if hisparse_pages < k + 1:
         raise ValueError(
-            f"hisparse_pages={hisparse_pages} cannot hold one query's top-"
-            f"{model.index_topk} pages plus the page it writes"
+            f"hisparse_pages={hisparse_pages} cannot hold one query's top-{k} pages plus the "
+            "page it writes"
+        )
+    t = 1 + (speculative_tokens if isinstance(speculative_tokens, int) else 0)
+    if not graph and t > 1 and hisparse_pages < t * k + 2:
+        raise ValueError(
+            f"hisparse_pages={hisparse_pages} cannot hold a paged verify step's reads ({t} "
+            f"queries x top-{k} pages, plus 2 pages written): pass at least {t * k + 2}, or "
+            "graph_decode=True (graph verify reads missing pages from the host mirror)"
         )
 
 

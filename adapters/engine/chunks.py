@@ -106,10 +106,16 @@ class StepBudget:
         ``seqs`` without HiSparse, or when they all fit), in the order of ``seqs``: a request
         keeps its row of the device block tables from step to step (a new order rewrites
         every moved row whole). When not all fit, they are chosen from a rotating offset, so
-        that requests left out now go first later."""
+        that requests left out now go first later. A step computes ``1 + spec_tokens`` tokens
+        a request (a verify step's ``k + 1``); a graph step (``graph_reads``, no top-k capture
+        or replay in the batch: those run paged) needs only the pages it writes."""
         if not seqs or not self.config.hisparse:
             return seqs
-        needs = [self.working_set(seq, 1) for seq in seqs]
+        tokens = 1 + self.config.spec_tokens
+        if self.config.graph_reads and not any(s.params.uses_topk for s in seqs):
+            needs = [written_pages(s.req.length, tokens, self._page_size) for s in seqs]
+        else:
+            needs = [self.working_set(seq, tokens) for seq in seqs]
         if sum(needs) <= self.config.device_pages:
             return seqs
         start = self.scheduler.clock % len(seqs)
@@ -127,10 +133,14 @@ class StepBudget:
         each query reads top-k entries, the tokens write into the pages they span (a completed
         entry lands in its own page, which the reads need not cover), and no request touches
         more pages than it has."""
-        p, start = self.scheduler.cache.config.page_size, seq.req.length
+        p, start = self._page_size, seq.req.length
         pages = -(-(start + num_tokens) // p)
-        written = (start + num_tokens - 1) // p - start // p + 1
+        written = written_pages(start, num_tokens, p)
         return min(num_tokens * self.config.index_topk + written, pages)
+
+    @property
+    def _page_size(self) -> int:
+        return self.scheduler.cache.config.page_size
 
     def fit_tokens(self, seq: _Seq, wanted: int, pages_left: int) -> int:
         """How many of ``wanted`` tokens fit in the HiSparse device buffer's remaining pages."""
@@ -140,3 +150,8 @@ class StepBudget:
         while n and self.working_set(seq, n) > pages_left:  # the pages the tokens write too
             n -= 1
         return n
+
+
+def written_pages(start: int, num_tokens: int, page_size: int) -> int:
+    """The pages tokens ``[start, start + num_tokens)`` span: where their entries land."""
+    return (start + num_tokens - 1) // page_size - start // page_size + 1

@@ -29,6 +29,7 @@ from adapters.forward.graph_decode import GraphDecoder, Tokens
 from adapters.forward.graph_verify import GraphVerifier
 from adapters.forward.selection import ForcedRows, TopkStep
 from adapters.forward.topk_capture import TopkRecorder, indexer_layers
+from adapters.memory.residency import GraphResidency
 from shadowradix import PageTableDelta, StepPlan
 
 
@@ -56,6 +57,12 @@ class ModelRunner:
         self.device = paged.device
         #: table changes not yet given to the graph decoder's / verifier's device tables
         self._deltas: list[PageTableDelta] = []
+
+    @property
+    def graph_hisparse(self) -> GraphResidency | None:
+        """The graph steps' HiSparse residency (the decoder's or the verifier's), if any."""
+        step = self.decoder if self.decoder is not None else self.verifier
+        return None if step is None else step.hisparse
 
     def execute(self, batch: ScheduledBatch, drafts: torch.Tensor | None = None) -> ForwardOutput:
         """Runs ``batch`` (its requests just extended by its chunks) and returns its logits.

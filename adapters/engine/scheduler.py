@@ -46,13 +46,16 @@ if TYPE_CHECKING:
 class SchedulerConfig:
     """The runner's limits the scheduler applies: prefill tokens per step, running requests,
     draft tokens a request may hold beyond its output (speculation), and the HiSparse device
-    buffer's pages per C4 layer (0: no HiSparse) with the indexer's top-k."""
+    buffer's pages per C4 layer (0: no HiSparse) with the indexer's top-k. ``graph_reads``:
+    graph decode / verify steps read the C4 KV through a `GraphResidency`, which reads
+    non-resident pages from the host mirror, so only the pages they write must fit."""
 
     chunk_tokens: int
     max_running: int
     spec_tokens: int = 0
     device_pages: int = 0
     index_topk: int = 0
+    graph_reads: bool = False
 
     @property
     def hisparse(self) -> bool:
