@@ -11,10 +11,13 @@ value (graph steps per planning window). Reports the median and the mean ms per 
 ratio over the *mean* (target >= 0.95: a window's commit lands in one of its steps, which a
 median would hide; with ``--repeat`` the median over interleaved repetitions of the ratio to the
 same repetition's all-resident arm), the timed steps' `GraphStats` and whether the greedy
-tokens are equal.
+tokens are equal. ``--speculative K``: every decode step is a graph verify step of ``K + 1``
+tokens (the model's MTP draft), HiSparse through the verifier's residency; the rows then
+add the tokens emitted per second and the acceptance rate.
 
     python bench/hisparse_graph_trained.py --device cuda --context 32768 --batch 8 --steps 32
     python bench/hisparse_graph_trained.py --device cpu --context 2048 --batch 2 --steps 4
+    python bench/hisparse_graph_trained.py --device cuda --context 16384 --speculative 2
 """
 
 from __future__ import annotations
@@ -55,14 +58,23 @@ def documents(args: argparse.Namespace) -> list[list[int]]:
 def make_runner(model, weights, args, buffer: int | None, every: int | None) -> Runner:  # type: ignore[no-untyped-def]
     p = args.page_size
     sized = max(args.context, args.pool_context or 0)  # bytes per document the pools hold
-    full = -(-(args.batch * (sized + args.steps + 8) + 4 * args.chunk) // p) * p
-    cc = model.cache_config(page_size=p, full_capacity=full, swa_capacity=full)
+    decoded = (args.steps + args.warmup + 8) * (1 + args.speculative)
+    full = -(-(args.batch * (sized + decoded) + 4 * args.chunk) // p) * p
+    spec = args.speculative or None
+    cc = model.cache_config(page_size=p, full_capacity=full, swa_capacity=full,
+                            speculative=spec is not None)  # fmt: skip
     runner = Runner(model, cc, device=weights.device, dtype=weights.dtype, weights=weights,
                     chunk_tokens=args.chunk, max_running=args.batch, graph_decode=True,
-                    overlap=False, hisparse_pages=buffer)  # fmt: skip
+                    overlap=False, hisparse_pages=buffer, speculative_tokens=spec)  # fmt: skip
     if every is not None:
-        runner.decoder.hisparse.commit_every = every  # type: ignore[union-attr]
+        residency(runner).commit_every = every  # type: ignore[union-attr]
     return runner
+
+
+def residency(runner: Runner):  # type: ignore[no-untyped-def]
+    """The graph step's `GraphResidency` (the decoder's, or the verifier's under
+    ``--speculative``), None when every page is resident."""
+    return runner.model_runner.graph_hisparse
 
 
 def sync(device: torch.device) -> None:
@@ -71,7 +83,8 @@ def sync(device: torch.device) -> None:
 
 
 def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignore[no-untyped-def]
-    new = args.steps + args.warmup + args.profile_steps + 1
+    per_step = 1 + args.speculative  # tokens a step can emit per request
+    new = (args.steps + args.warmup + args.profile_steps) * per_step + 1
     ids = [runner.submit(d, SamplingParams(max_new_tokens=new)) for d in docs]
     t0, done = time.perf_counter(), []
     while runner.num_prefilling:
@@ -79,7 +92,10 @@ def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignor
     prefill_s = time.perf_counter() - t0
     for _ in range(args.warmup):  # graph capture of the batch / context bucket
         done += runner.step()
-    hs = runner.decoder.hisparse if hasattr(runner.decoder, "hisparse") else None
+    hs = residency(runner)
+    emitted0 = 0 if runner.spec is None else runner.spec.stats.emitted_tokens
+    accepted0 = (0, 0) if runner.spec is None else (runner.spec.stats.accepted_tokens,
+                                                    runner.spec.stats.drafted_tokens)  # fmt: skip
     before = None if hs is None else dict(vars(hs.stats))
     hit0 = None if hs is None else hs.hit_rate()
     phases = phase_timers(runner) if args.phases else None
@@ -91,6 +107,13 @@ def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignor
         sync(runner.device)
         times.append(time.perf_counter() - t)
     hit1 = None if hs is None else hs.hit_rate()
+    spec = None
+    if runner.spec is not None:
+        st = runner.spec.stats
+        accepted, drafted = st.accepted_tokens - accepted0[0], st.drafted_tokens - accepted0[1]
+        spec = dict(emitted_tokens=st.emitted_tokens - emitted0,
+                    tokens_per_s=(st.emitted_tokens - emitted0) / sum(times),
+                    acceptance_rate=round(accepted / max(drafted, 1), 4))  # fmt: skip
     if phases is not None:
         row_phases = {k: round(statistics.median(v), 4) for k, v in phases.items() if v}
         print(f"## phases, median ms per call: {row_phases}", flush=True)
@@ -111,6 +134,8 @@ def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignor
                outputs=[by_id[i] for i in ids])  # fmt: skip
     if phases is not None:
         row["phases_ms"] = row_phases
+    if spec is not None:
+        row["speculative"] = spec
     if args.probe and runner.device.type == "cuda":
         row["probe"] = row_probe
     if hs is not None and before is not None:
@@ -291,8 +316,13 @@ def main() -> int:
                     help="run the HiSparse arms before the all-resident one (order effects)")
     ap.add_argument("--weights", help="a weights file (python -m adapters.train --out): its own "
                     "model; default the shipped tiny-trained")  # fmt: skip
+    ap.add_argument("--speculative", type=int, default=0,
+                    help="K: decode by graph verify steps of K + 1 tokens (MTP)")  # fmt: skip
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.speculative and (args.phases or args.probe or args.profile_steps):
+        ap.error("--phases, --probe and --profile-steps time the graph decoder: not with "
+                 "--speculative")  # fmt: skip
     meta = run_meta()
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -332,6 +362,10 @@ def main() -> int:
         if name != "resident":  # paired with the resident arm of its repetition
             pairs = [r["resident"]["mean_step_ms"] / r[name]["mean_step_ms"] for r in reps]
             row["ratio"], row["reps_ratio"] = statistics.median(pairs), pairs
+            if args.speculative:  # a step's tokens differ when HiSparse runs fewer requests
+                tok = [r[name]["speculative"]["tokens_per_s"]
+                       / r["resident"]["speculative"]["tokens_per_s"] for r in reps]  # fmt: skip
+                row["tokens_ratio"], row["reps_tokens_ratio"] = statistics.median(tok), tok
             row["equal_share"] = sum(equal) / len(equal)
         rows[name] = row
     res = rows["resident"]
@@ -349,8 +383,10 @@ def main() -> int:
         print(
             f"{name:18s} median {r['step_ms']:7.3f} mean {r['mean_step_ms']:7.3f} ms/step  "
             f"prefill {r['prefill_s']:.1f} s  ratio {r.get('ratio', 1.0):.3f}  "
-            f"equal {r.get('equal_share', 1.0):.2f}  {r.get('graph_stats', '')}  "
+            f"equal {r.get('equal_share', 1.0):.2f}  tokens/s ratio {r.get('tokens_ratio', '-')}  "
+            f"{r.get('graph_stats', '')}  "
             f"entry hits {r.get('entry_hit_rate', '-')} of {r.get('entries_read', '-')}"
+            f"  {r.get('speculative', '')}"
         )
     verdict = "met" if ratio >= 0.95 else "NOT met"
     print(
