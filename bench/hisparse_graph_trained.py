@@ -5,7 +5,9 @@ mirror and a device buffer of ``--buffer-fraction`` of the C4 pages (docs/hispar
 ``--batch`` documents of ``--context`` bytes (``--split``: ``heldout`` or ``train``; the
 training split only for lengths the held-out split cannot give: the model has seen it, which
 matters for its loss, not for where its indexer looks) are prefilled through the runner, then
-``--steps`` decode steps are timed, each end to end (the step call, with HiSparse's commit and
+``--steps`` decode steps are timed with every request decoding (each generates enough tokens
+to outlast the other requests' prefills and the timed steps: `max_new`; the rows record the
+mean and least batch of the timed steps), each end to end (the step call, with HiSparse's commit and
 table sync), overlap scheduling off in both arms. One HiSparse arm per ``--commit-every``
 value (graph steps per planning window). Reports the median and the mean ms per step, the
 ratio over the *mean* (target >= 0.95: a window's commit lands in one of its steps, which a
@@ -58,7 +60,7 @@ def documents(args: argparse.Namespace) -> list[list[int]]:
 def make_runner(model, weights, args, buffer: int | None, every: int | None) -> Runner:  # type: ignore[no-untyped-def]
     p = args.page_size
     sized = max(args.context, args.pool_context or 0)  # bytes per document the pools hold
-    decoded = (args.steps + args.warmup + 8) * (1 + args.speculative)
+    decoded = args.max_new + 8
     full = -(-(args.batch * (sized + decoded) + 4 * args.chunk) // p) * p
     spec = args.speculative or None
     cc = model.cache_config(page_size=p, full_capacity=full, swa_capacity=full,
@@ -77,15 +79,23 @@ def residency(runner: Runner):  # type: ignore[no-untyped-def]
     return runner.model_runner.graph_hisparse
 
 
+def max_new(args: argparse.Namespace, docs: list[list[int]]) -> int:
+    """Tokens each request generates: enough that none finishes before the timed steps end.
+    Every step also decodes the requests whose prefill ended (continuous batching), so the
+    first of them decodes through the other prefills: at most one step per ``--chunk`` of the
+    batch's prompts plus one per request, then the warm-up and timed steps."""
+    prefill_steps = sum(len(d) for d in docs) // args.chunk + len(docs) + 1
+    steps = prefill_steps + args.warmup + args.steps + args.profile_steps
+    return steps * (1 + args.speculative) + 1
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignore[no-untyped-def]
-    per_step = 1 + args.speculative  # tokens a step can emit per request
-    new = (args.steps + args.warmup + args.profile_steps) * per_step + 1
-    ids = [runner.submit(d, SamplingParams(max_new_tokens=new)) for d in docs]
+    ids = [runner.submit(d, SamplingParams(max_new_tokens=args.max_new)) for d in docs]
     t0, done = time.perf_counter(), []
     while runner.num_prefilling:
         done += runner.step()
@@ -100,7 +110,9 @@ def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignor
     hit0 = None if hs is None else hs.hit_rate()
     phases = phase_timers(runner) if args.phases else None
     times: list[float] = []
+    batches: list[int] = []  # requests decoding in each timed step
     while runner.num_pending and len(times) < args.steps:
+        batches.append(len(runner.budget.decode_rows()))
         sync(runner.device)
         t = time.perf_counter()
         done += runner.step()
@@ -131,6 +143,7 @@ def run_arm(runner: Runner, docs: list[list[int]], args) -> dict:  # type: ignor
     by_id = {r.request_id: r.output for r in done}
     row = dict(prefill_s=round(prefill_s, 3), step_ms=1e3 * statistics.median(times),
                mean_step_ms=1e3 * statistics.fmean(times), steps=len(times),
+               mean_batch=statistics.fmean(batches), min_batch=min(batches),
                outputs=[by_id[i] for i in ids])  # fmt: skip
     if phases is not None:
         row["phases_ms"] = row_phases
@@ -336,6 +349,7 @@ def main() -> int:
         weights = load_shipped(model, device, dtype)
         about = "tiny-trained (trained weights, real text)"
     docs = documents(args)
+    args.max_new = max_new(args, docs)
     pages = sum(-(-len(d) // args.page_size) for d in docs)  # C4 pages the batch holds
     buffer = max(model.index_topk + 2, int(args.buffer_fraction * pages))
     arms: dict[str, tuple[int | None, int | None]] = {"resident": (None, None)}
@@ -382,7 +396,8 @@ def main() -> int:
     for name, r in rows.items():
         print(
             f"{name:18s} median {r['step_ms']:7.3f} mean {r['mean_step_ms']:7.3f} ms/step  "
-            f"prefill {r['prefill_s']:.1f} s  ratio {r.get('ratio', 1.0):.3f}  "
+            f"prefill {r['prefill_s']:.1f} s  batch {r['mean_batch']:.2f} (min {r['min_batch']})  "
+            f"ratio {r.get('ratio', 1.0):.3f}  "
             f"equal {r.get('equal_share', 1.0):.2f}  tokens/s ratio {r.get('tokens_ratio', '-')}  "
             f"{r.get('graph_stats', '')}  "
             f"entry hits {r.get('entry_hit_rate', '-')} of {r.get('entries_read', '-')}"
