@@ -5,7 +5,9 @@ compressed layer's compressor and indexer on a side stream, concurrent with its 
 projections: docs/runner.md, "Multi-stream attention prep"). Overlap scheduling is off, so a
 decode step's wall time is its host work plus its graph. Interleaved over ``--reps`` timed
 repetitions after a warm-up rep 0 (captures the graphs, not timed); each rep decodes its own
-random prompts (``--prompt-len``), ``--steps`` timed decode steps after the first.
+random prompts (``--prompt-len``), ``--steps`` timed decode steps after the first, every
+request decoding in each (each generates enough tokens to outlast the other requests' prefills
+and the timed steps: `max_new`; the rows record the mean and least batch of the timed steps).
 ``--hisparse-pages``: both arms with HiSparse's C4 KV in the graph (`GraphResidency`).
 
 Per (batch, arm): median wall ms per decode step, median device ms of the graph replay (CUDA
@@ -47,6 +49,7 @@ from bench.meta import run_meta  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 PAGE = 64
+CHUNK = 1024  # the runners' prefill tokens a step
 
 
 @dataclass
@@ -56,6 +59,7 @@ class Arm:
     multi_stream: bool
     runner: Runner
     step_ms: list[float] = field(default_factory=list)  # one median per timed rep
+    batches: list[int] = field(default_factory=list)  # requests decoding in each timed step
     graph_ms: list[float | None] = field(default_factory=list)  # None: not on CUDA
     replays: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
 
@@ -72,11 +76,11 @@ def load_weights(model: ModelConfig, device: torch.device, dtype: torch.dtype) -
 
 def make_arm(model, weights, args, batch: int, multi_stream: bool) -> Arm:
     # room for every rep's prompts and outputs: no eviction, no rep served from another's pages
-    per_rep = (args.prompt_len + args.steps + 4 + 2 * PAGE) * batch
+    per_rep = (args.prompt_len + max_new(args, batch) + 2 + 2 * PAGE) * batch
     full = -(-max(args.reps + 2, 4) * per_rep // PAGE) * PAGE
     cache = model.cache_config(page_size=PAGE, full_capacity=full, swa_capacity=full)
     runner = Runner(model, cache, device=weights.device, dtype=weights.dtype, weights=weights,
-                    chunk_tokens=1024, max_running=batch, graph_decode=True, overlap=False,
+                    chunk_tokens=CHUNK, max_running=batch, graph_decode=True, overlap=False,
                     multi_stream=multi_stream, hisparse_pages=args.hisparse_pages)  # fmt: skip
     arm = Arm(multi_stream, runner)
     decoder = runner.decoder
@@ -96,23 +100,35 @@ def make_arm(model, weights, args, batch: int, multi_stream: bool) -> Arm:
     return arm
 
 
+def max_new(args, batch: int) -> int:  # type: ignore[no-untyped-def]
+    """Tokens each request generates: enough that none finishes before the timed steps end.
+    Every step also decodes the requests whose prefill ended (continuous batching), so the
+    first of them decodes through the other prefills: at most one step per chunk of the
+    batch's prompts plus one per request, then the timed steps."""
+    prefill_steps = batch * args.prompt_len // CHUNK + batch + 1
+    return prefill_steps + args.steps + 2
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def run_pass(arm: Arm, prompts: list[list[int]], steps: int):  # type: ignore[no-untyped-def]
-    """Prefill and the first decode step untimed, then ``steps`` decode steps timed, then the
-    rest. Returns median wall ms per step, median graph ms (None off CUDA), outputs."""
+def run_pass(arm: Arm, prompts: list[list[int]], steps: int, new: int, timed: bool):  # type: ignore[no-untyped-def]
+    """Prefill and the first decode step untimed, then ``steps`` decode steps timed (their
+    batches kept in ``arm.batches`` where ``timed``), then the rest. Returns median wall ms per
+    step, median graph ms (None off CUDA), outputs."""
     runner = arm.runner
     st = runner.stats
-    ids = [runner.submit(p, SamplingParams(max_new_tokens=steps + 2)) for p in prompts]
+    ids = [runner.submit(p, SamplingParams(max_new_tokens=new)) for p in prompts]
     done, decode0 = [], st.decode_tokens
     while runner.num_prefilling or st.decode_tokens == decode0:
         done += runner.step()
     walls: list[float] = []
     arm.replays.clear()
     for _ in range(steps):
+        if timed:
+            arm.batches.append(len(runner.budget.decode_rows()))
         sync(runner.device)
         t0 = time.perf_counter()
         done += runner.step()
@@ -137,7 +153,9 @@ def run_batch(model, weights, args, batch: int) -> tuple[list[Arm], float]:
                    for _ in range(batch)]  # fmt: skip
         outputs = {}
         for arm in arms if rep % 2 == 0 else arms[::-1]:
-            wall, graph, outputs[arm.multi_stream] = run_pass(arm, prompts, args.steps)
+            wall, graph, outputs[arm.multi_stream] = run_pass(
+                arm, prompts, args.steps, max_new(args, batch), rep > 0
+            )
             if rep:
                 arm.step_ms.append(wall)
                 arm.graph_ms.append(graph)
@@ -156,6 +174,7 @@ def rows_of(batch: int, arms: list[Arm], equal_share: float) -> list[dict[str, A
             ms_per_step_reps=[round(x, 4) for x in arm.step_ms], graph_ms=graph,
             graph_ms_reps=[None if x is None else round(x, 4) for x in arm.graph_ms],
             step_ratio=step / base_step, equal_share=equal_share,
+            mean_batch=statistics.fmean(arm.batches), min_batch=min(arm.batches),
             graph_ratio=None if graph is None or base_graph is None else graph / base_graph,
         ))  # fmt: skip
     return rows
@@ -171,7 +190,8 @@ def line_of(row: dict[str, Any]) -> str:
     if row["graph_ms"] is not None:
         graph = f"graph {row['graph_ms']:8.3f} ms ({row['graph_ratio']:5.3f}x)"
     return (f"batch {row['batch']:2d}  {row['arm']:13s}  {row['ms_per_step']:8.3f} ms/step "
-            f"({row['step_ratio']:5.3f}x)  {graph}  equal {row['equal_share']:.2f}")  # fmt: skip
+            f"({row['step_ratio']:5.3f}x)  {graph}  equal {row['equal_share']:.2f}  "
+            f"batch {row['mean_batch']:.2f} (min {row['min_batch']})")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -8,7 +8,10 @@ size. Every variant keeps one runner (its graphs stay captured); each rep decode
 prompts, so no rep starts on a prefix cached by an earlier one (``prefix_hit_tokens``,
 expected 0), and the cache holds every rep without evicting. ``timed_captures``: CUDA graphs
 captured inside the timed decode loops (expected 0; else a bucket the warm-up missed).
-``device_step_share`` and ``acceptance_length`` count the timed reps only.
+``device_step_share`` and ``acceptance_length`` count the timed reps only. The timed steps are
+those where every request decodes (each generates enough tokens to outlast the other requests'
+prefills and the timed steps: `max_new`), up to ``--new-tokens`` tokens a request; the rows
+record their mean and least batch.
 
 Per row: median wall ms per decode step, tokens per step, ms per token, speed-up over plain
 (median ms/token), the share of verify steps that took the device path, and the agreement of
@@ -52,19 +55,31 @@ from bench.quality import default_data, heldout_docs  # noqa: E402
 ROWS = [("plain", None, None), ("mtp", 2, None), ("eagle", 2, None), ("eagle", 3, None)]
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 PAGE = 64
+CHUNK = 1024  # the runners' prefill tokens a step
 
 
 def make_runner(model, weights, args, batch: int, source: str, k: int | None) -> Runner:
     # room for every rep's prompts and outputs (plus speculative slack): no eviction, so no rep
     # pays for another's leftovers (and at least the 4 reps' worth a chunk's window needs)
-    per_rep = (args.prompt_len + args.new_tokens + 4 * PAGE) * batch
+    per_rep = (args.prompt_len + max_new(args, batch) + 4 * PAGE) * batch
     full = -(-max(args.reps + 2, 4) * per_rep // PAGE) * PAGE
     cache = model.cache_config(page_size=PAGE, full_capacity=full, swa_capacity=full,
                                speculative=k is not None)  # fmt: skip
     draft = EagleDraft(load_shipped_eagle(weights)) if source == "eagle" else None
     return Runner(model, cache, device=weights.device, dtype=weights.dtype, weights=weights,
-                  chunk_tokens=1024, max_running=batch, speculative_tokens=k, draft=draft,
+                  chunk_tokens=CHUNK, max_running=batch, speculative_tokens=k, draft=draft,
                   graph_decode=True)  # fmt: skip
+
+
+def max_new(args, batch: int) -> int:  # type: ignore[no-untyped-def]
+    """Tokens each request generates (every variant alike): enough that none finishes before
+    the timed steps end. Every step also decodes the requests whose prefill ended (continuous
+    batching), so the first of them decodes through the other prefills: at most one step per
+    chunk of the batch's prompts plus one per request, each emitting up to k + 1 (the largest
+    k of `ROWS`), then the timed ``--new-tokens``."""
+    k = max(k or 0 for _, k, _ in ROWS)
+    prefill_steps = batch * (args.prompt_len + 1) // CHUNK + batch + 1
+    return prefill_steps * (1 + k) + 1 + args.new_tokens
 
 
 class CaptureCount:
@@ -90,7 +105,8 @@ def sync(device: torch.device) -> None:
 @dataclass(frozen=True)
 class Pass:
     """One timed pass: decode wall seconds, decode steps, decode tokens, the outputs (in prompt
-    order), prompt tokens served from the prefix cache, CUDA graphs captured while timed."""
+    order), prompt tokens served from the prefix cache, CUDA graphs captured while timed, the
+    batch of each timed step."""
 
     wall_s: float
     steps: int
@@ -98,28 +114,34 @@ class Pass:
     outputs: list[list[int]]
     hit_tokens: int
     captures: int
+    batches: list[int]
 
 
-def timed(runner: Runner, prompts: list[list[int]], new_tokens: int, graphs: CaptureCount) -> Pass:
-    """Prefill and the first decode step untimed, then decode to completion timed."""
+def timed(runner: Runner, prompts: list[list[int]], args, graphs: CaptureCount) -> Pass:  # type: ignore[no-untyped-def]
+    """Prefill and the first decode step untimed, then decode timed while every request
+    decodes, up to ``--new-tokens`` tokens a request, then the rest untimed."""
     st = runner.stats
     prefill0, decode0 = st.prefill_tokens, st.decode_tokens
-    ids = [runner.submit(p, SamplingParams(max_new_tokens=new_tokens)) for p in prompts]
-    done = []  # a request may finish before the timed loop (short outputs, speculation)
+    params = SamplingParams(max_new_tokens=max_new(args, len(prompts)))
+    ids = [runner.submit(p, params) for p in prompts]
+    done = []
     while runner.num_prefilling or st.decode_tokens == decode0:
         done += runner.step()
-    before, steps = st.decode_tokens, 0
+    before, batches = st.decode_tokens, []
+    stop = before + args.new_tokens * len(prompts)
     sync(runner.device)
     captures0, t0 = graphs.count, time.perf_counter()
-    while runner.num_pending:
+    while runner.num_pending == len(prompts) and st.decode_tokens < stop:
+        batches.append(runner.num_pending)  # every request decodes (all are prefilled)
         done += runner.step()
-        steps += 1
     sync(runner.device)
     wall = time.perf_counter() - t0
+    tokens, captures = st.decode_tokens - before, graphs.count - captures0
+    done += runner.run()
     by_id = {r.request_id: r.output for r in done}
     hits = sum(len(p) for p in prompts) - (st.prefill_tokens - prefill0)
-    return Pass(wall, steps, st.decode_tokens - before, [by_id[i] for i in ids], hits,
-                graphs.count - captures0)  # fmt: skip
+    return Pass(wall, len(batches), tokens, [by_id[i] for i in ids], hits, captures,
+                batches)  # fmt: skip
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -163,13 +185,13 @@ class Variant:
     agreement: Agreement = field(default_factory=Agreement)
     warm_stats: SpecStats | None = None  # the speculative counters after the warm-up
 
-    def warm_up(self, prompts: list[list[int]], new_tokens: int, graphs: CaptureCount) -> None:
+    def warm_up(self, prompts: list[list[int]], args, graphs: CaptureCount) -> None:  # type: ignore[no-untyped-def]
         """Rep 0's extra passes, one per smaller power-of-two batch bucket on a prefix of its
         prompts: the graphs a shrinking batch replays (requests finishing at different steps)
         are captured before any timed rep. Then snapshots the speculative counters."""
         n = len(prompts)
         for size in [1 << i for i in range(n.bit_length()) if 1 << i < n]:
-            timed(self.runner, prompts[:size], new_tokens, graphs)
+            timed(self.runner, prompts[:size], args, graphs)
         if self.runner.spec is not None:
             self.warm_stats = replace(self.runner.spec.stats)
 
@@ -214,15 +236,16 @@ def run_batch(model, weights, args, batch: int, exact: bool, graphs: CaptureCoun
         rep_prompts = prompts[rep * batch : (rep + 1) * batch]
         plain: list[list[int]] = []
         for v in variants:  # plain first: the reference of this rep
-            p = timed(v.runner, rep_prompts, args.new_tokens, graphs)
+            p = timed(v.runner, rep_prompts, args, graphs)
+            outputs = [o[: args.new_tokens] for o in p.outputs]  # as many as before the fix
             if v.device_drafts is None:
-                plain = p.outputs
-            elif v.agreement.add(p.outputs, plain) and exact:
+                plain = outputs
+            elif v.agreement.add(outputs, plain) and exact:
                 raise OutputMismatch(f"{v.name} batch {batch} rep {rep}: output differs from plain")
             if rep:
                 v.passes.append(p)
             else:
-                v.warm_up(rep_prompts, args.new_tokens, graphs)
+                v.warm_up(rep_prompts, args, graphs)
     return variants
 
 
@@ -236,6 +259,8 @@ def row_of(batch: int, v: Variant, base: float | None) -> dict[str, Any]:
                tokens_per_step_all=[round(p.tokens / max(1, p.steps), 3) for p in v.passes],
                ms_per_token=statistics.median(ms_tok),
                prefix_hit_tokens=sum(p.hit_tokens for p in v.passes),
+               mean_batch=statistics.fmean(b for p in v.passes for b in p.batches),
+               min_batch=min(b for p in v.passes for b in p.batches),
                timed_captures=sum(p.captures for p in v.passes))  # fmt: skip
     if v.runner.spec is not None:
         row["device_step_share"], row["acceptance_length"] = v.timed_stats()
@@ -248,7 +273,8 @@ def row_of(batch: int, v: Variant, base: float | None) -> dict[str, Any]:
 def line_of(row: dict[str, Any]) -> str:
     text = (f"batch {row['batch']:2d}  {row['name']:16s} {row['ms_per_step']:7.3f} ms/step  "
             f"{row['tokens_per_step']:5.2f} tok/step  {row['ms_per_token']:7.3f} ms/tok  "
-            f"{row['speedup']:5.2f}x  device {row.get('device_step_share', 0):.2f}")  # fmt: skip
+            f"{row['speedup']:5.2f}x  device {row.get('device_step_share', 0):.2f}  "
+            f"batch {row['mean_batch']:.2f} (min {row['min_batch']})")  # fmt: skip
     if "equal_share" in row:
         text += f"  equal {row['equal_share']:.2f}"
         if row["mean_first_diff"] is not None:

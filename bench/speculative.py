@@ -13,10 +13,13 @@ For each batch size, ``batch`` random prompts are generated greedily three ways:
    differ where two logits are within rounding; the check above is the correctness gate).
 
 Each timing run executes the whole workload twice on the same runner and times the second pass
-only (CUDA graphs are captured in the first), from the step where every request decodes to the
-last one. Draft sources (``--sources`` or its alias ``--draft``, a comma-separated list):
-``oracle:R`` (the target's greedy continuation from the check's plain run, each token kept with
-probability R, `OracleDraft`), ``mtp`` (the model's MTP layer), ``eagle`` (the preset's shipped
+only (CUDA graphs are captured in the first), from the step where every request decodes, while
+every request does (each generates enough tokens to outlast the other requests' prefills and
+the timed steps: `max_new`; the first finishing ends the window) and up to ``--new-tokens``
+tokens a request; the rows record the mean and least batch of the timed steps. Draft sources
+(``--sources`` or its alias ``--draft``, a comma-separated list): ``oracle:R`` (the target's
+greedy continuation from the check's plain run, each token kept with probability R,
+`OracleDraft`), ``mtp`` (the model's MTP layer), ``eagle`` (the preset's shipped
 EAGLE head, `EagleDraft`; ``--eagle-weights FILE`` for another; a `WeightsError` if there is
 none) and ``eagle:random`` (a seeded random head: the draft cost only).
 
@@ -68,13 +71,14 @@ class Setup:
     prompt_len: int
     new_tokens: int
     chunk: int
+    max_k: int = 0  # the largest k of the run: the plain run generates as much as its runner
 
 
 def make_runner(
     s: Setup, weights: ModelWeights, batch: int, k: int | None, draft: DraftSource | None
 ) -> Runner:
     p, w = s.page_size, s.model.window
-    per_request = s.prompt_len + s.new_tokens + (k or 0) + 2 * p
+    per_request = s.prompt_len + max_new(s, batch, s.max_k) + (k or 0) + 2 * p
     cc = s.model.cache_config(
         page_size=p,
         full_capacity=-(-(batch * per_request + 4 * p) // p) * p,
@@ -92,6 +96,16 @@ def make_runner(
         speculative_tokens=k,
         draft=draft,
     )
+
+
+def max_new(s: Setup, batch: int, k: int | None) -> int:
+    """Tokens each request generates: enough that none finishes before the timed steps end.
+    Every step also decodes the requests whose prefill ended (continuous batching), so the
+    first of them decodes through the other prefills: at most one step per ``chunk`` of the
+    batch's prompts plus one per request, each emitting up to ``k + 1``, then the timed
+    ``new_tokens``."""
+    prefill_steps = batch * s.prompt_len // s.chunk + batch + 1
+    return prefill_steps * (1 + (k or 0)) + 1 + s.new_tokens
 
 
 def source(
@@ -147,27 +161,32 @@ def generate(runner: Runner, prompts: list[list[int]], new_tokens: int) -> list[
     return [r.output for r in runner.generate(prompts, SamplingParams(max_new_tokens=new_tokens))]
 
 
-def timed_pass(runner: Runner, prompts: list[list[int]], new_tokens: int):
-    """Outputs, decode seconds and decode tokens of one pass, timed from the first step where
-    every request decodes."""
+def timed_pass(runner: Runner, prompts: list[list[int]], new_tokens: int, window: int):
+    """Outputs, decode seconds, decode tokens and the batch of each timed step of one pass,
+    timed from the first step where every request decodes, while every one does, up to
+    ``window`` tokens a request; the rest untimed."""
     params = SamplingParams(max_new_tokens=new_tokens)
     ids = [runner.submit(p, params) for p in prompts]
-    done = []
+    done, batches = [], []
     while runner.num_prefilling:
         done += runner.step()
+    stop = runner.stats.decode_tokens + window * len(prompts)
     tokens0, t0 = runner.stats.decode_tokens, time.perf_counter()
-    while runner.num_pending:
+    while runner.num_pending == len(prompts) and runner.stats.decode_tokens < stop:
+        batches.append(runner.num_pending)  # every request decodes (all are prefilled)
         done += runner.step()
     seconds = time.perf_counter() - t0
+    tokens = runner.stats.decode_tokens - tokens0
+    done += runner.run()
     by_id = {r.request_id: r.output for r in done}
-    return [by_id[i] for i in ids], seconds, runner.stats.decode_tokens - tokens0
+    return [by_id[i] for i in ids], seconds, tokens, batches
 
 
-def time_runner(runner: Runner, prompts: list[list[int]], new_tokens: int):
-    timed_pass(runner, prompts, new_tokens)  # graph capture, warm-up
+def time_runner(runner: Runner, prompts: list[list[int]], new_tokens: int, window: int):
+    timed_pass(runner, prompts, new_tokens, window)  # graph capture, warm-up
     if runner.spec is not None:
         runner.spec.stats = SpecStats()
-    return timed_pass(runner, prompts, new_tokens)
+    return timed_pass(runner, prompts, new_tokens, window)
 
 
 def check(s: Setup, weights: ModelWeights, batch, prompts, names, ks, check_tokens, heads) -> None:
@@ -228,9 +247,10 @@ def main() -> int:
     if args.layers:
         ratios = ((0, 0) + (4, 128) * args.layers)[: args.layers]
         model = dataclasses.replace(model, compress_ratios=ratios)
-    s = Setup(model, device, args.page_size, args.prompt_len, args.new_tokens, args.chunk_tokens)
     names = [x for x in args.sources.split(",") if x]
     ks = [int(x) for x in args.ks.split(",")]
+    s = Setup(model, device, args.page_size, args.prompt_len, args.new_tokens, args.chunk_tokens,
+              max(ks))  # fmt: skip
     torch.manual_seed(args.seed)
     weights = _weights(model, device, dtype)
     check_weights = weights if check_dtype == dtype else _weights(model, device, check_dtype)
@@ -249,7 +269,9 @@ def main() -> int:
         prompts = _prompts(args.prompts, rng, batch, args.prompt_len)
         check(s, check_weights, batch, prompts, names, ks, args.check_tokens, check_heads)
         plain_runner = make_runner(s, weights, batch, None, None)
-        plain, plain_s, plain_tokens = time_runner(plain_runner, prompts, args.new_tokens)
+        plain, plain_s, plain_tokens, plain_batches = time_runner(
+            plain_runner, prompts, max_new(s, batch, s.max_k), args.new_tokens
+        )
         del plain_runner
         plain_tps = plain_tokens / plain_s
         table = {tuple(p): o for p, o in zip(prompts, plain)}  # the timing dtype's own greedy
@@ -257,7 +279,9 @@ def main() -> int:
             for k in ks:
                 draft = source(src, table, k, heads.get(src))
                 runner = make_runner(s, weights, batch, k, draft)
-                out, sec, tokens = time_runner(runner, prompts, args.new_tokens)
+                out, sec, tokens, batches = time_runner(
+                    runner, prompts, max_new(s, batch, k), args.new_tokens
+                )
                 assert runner.spec is not None
                 st = runner.spec.stats
                 row = dict(
@@ -277,8 +301,13 @@ def main() -> int:
                     spec_tokens_per_s=tokens / sec,
                     speedup=tokens / sec / plain_tps,
                     draft_ms_per_step=1e3 * st.draft_s / max(st.forwards, 1),
-                    agree=sum(a == b for a, b in zip(out, plain)) / batch,
-                )
+                    agree=sum(a[: s.new_tokens] == b[: s.new_tokens]
+                              for a, b in zip(out, plain)) / batch,
+                    mean_batch=sum(batches) / max(1, len(batches)),
+                    min_batch=min(batches, default=0), timed_steps=len(batches),
+                    plain_mean_batch=sum(plain_batches) / max(1, len(plain_batches)),
+                    plain_min_batch=min(plain_batches, default=0),
+                )  # fmt: skip
                 rows.append(row)
                 print(
                     f"| {src} | {k} | {batch} | {row['mean_acceptance_length']:.2f} | "
