@@ -68,9 +68,7 @@ class PageLives:
         over. Returns the pages that ended (to release). Raises as `ended_pages`, changing
         nothing."""
         ended = ended_pages(events, self.max_host_pages)
-        for pages in self._pending:
-            self.born[pages] = True
-        self._pending = []
+        self.settle()
         if len(ended):
             self.born[ended] = False
         return ended
@@ -80,9 +78,17 @@ class PageLives:
         return ~self.born.take(write_pages)
 
     def wrote(self, write_pages: HostPageArray) -> None:
-        """The step wrote ``write_pages`` (born from the next `begin`)."""
+        """The step wrote ``write_pages`` (born from the next `begin`, or `settle`)."""
         if len(write_pages):
             self._pending.append(write_pages)
+
+    def settle(self) -> None:
+        """The writes so far are born now: a plan that covered every layer of its writes
+        (a graph window's commit), which the next plan, possibly before the next `begin` (an
+        eager step's commit of the following window), must not see as fresh again."""
+        for pages in self._pending:
+            self.born[pages] = True
+        self._pending = []
 
     def adopt(self, host_pages: HostPageArray) -> None:
         """Pages given data outside the step loop (a benchmark filling the mirror by hand)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from small_models import one_thread
@@ -27,7 +28,9 @@ from test_hisparse_graph import (
     weights,
 )
 
+from adapters.engine.build import check_hisparse
 from adapters.engine.drafts import OracleDraft
+from adapters.engine.modes import Modes
 from adapters.engine.runner import Runner
 from adapters.engine.sampling import SamplingParams
 from adapters.forward.graph_verify import GraphVerifier
@@ -77,8 +80,8 @@ def test_graph_verify_with_hisparse_equals_all_resident() -> None:
 
 def test_graph_verify_with_hisparse_equals_its_all_resident_twin() -> None:
     """All-resident graph verify with the same draft source: the same tokens. (Not the same
-    steps: the HiSparse budget runs fewer requests a step when their working sets do not all
-    fit a 5-page buffer, so the drafts' random errors fall elsewhere.)"""
+    steps: HiSparse cuts prefill chunks to its 5-page buffer, so decoding starts at other
+    steps and the drafts' random errors fall elsewhere.)"""
     plain, hs = make_runner(None, 0.4), make_runner(BUFFER_PAGES, 0.4)
     assert plain.offload is None and plain.model_runner.verifier is not None
     assert generate(hs) == generate(plain) == resident_outputs()
@@ -126,3 +129,71 @@ def test_a_residency_too_small_for_the_verify_rows_is_refused() -> None:
     cc = runner.cache.config
     with pytest.raises(ValueError, match="query rows"):
         GraphVerifier(weights(), runner.pools, cc, 4, cc.full_capacity, K + 1, hisparse=small)
+
+
+def _mapped_slots_equal_the_mirror(res: GraphResidency) -> None:
+    """The residency's exactness invariant: each page the device table maps holds its mirror
+    page (tokens alone miss a slot that holds stale data no query happened to read)."""
+    res.sync_table()
+    for layer, table in res.table.items():
+        pages = torch.nonzero(table[:-1] >= 0).flatten()
+        buf, host = res.offload.buffer[layer], res.offload.host[layer]
+        bad = (buf[table[pages]] != host[pages]).flatten(1).any(1)
+        assert not bad.any(), f"layer {layer}: pages {pages[bad].tolist()} differ from the mirror"
+
+
+def test_mapped_slots_equal_the_mirror_after_every_verify_step(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    runner = make_runner(BUFFER_PAGES)
+    res, verify, steps = verifier_residency(runner), GraphVerifier.verify, [0]
+
+    def checked(self, *a, **kw):  # type: ignore[no-untyped-def]
+        out = verify(self, *a, **kw)
+        _mapped_slots_equal_the_mirror(res)
+        steps[0] += 1
+        return out
+
+    monkeypatch.setattr(GraphVerifier, "verify", checked)
+    assert generate(runner) == resident_outputs()
+    assert steps[0] > 10
+
+
+def test_windows_spanning_verify_steps_between_prefills() -> None:
+    """A 33-page buffer: windows span several verify steps, and prefills (eager steps) of the
+    waiting requests come between them, committing the open window before their step. A page
+    the last commit placed must not be placed as fresh again (it failed those prefills with
+    "marked fresh but still holds data" before commits settled the pages' lives)."""
+    rng = np.random.default_rng(7)
+    long = [rng.integers(0, 256, n).tolist() for n in (300, 333, 290, 410)]
+    cc = MODEL.cache_config(page_size=PAGE, full_capacity=PAGE * 160, swa_capacity=PAGE * 48,
+                            speculative=True)  # fmt: skip
+    kw = dict(device="cpu", dtype=torch.float64, weights=weights(), chunk_tokens=24)
+    plain = Runner(MODEL, cc, max_running=4, **kw)  # type: ignore[arg-type]
+    want = [r.output for r in plain.generate(long, SamplingParams(max_new_tokens=40))]
+    draft = OracleDraft(dict(zip(map(tuple, long), want)), 0.5, seed=5)
+    runner = Runner(MODEL, cc, max_running=2, graph_decode=True, hisparse_pages=33,
+                    speculative_tokens=K, draft=draft, **kw)  # type: ignore[arg-type]  # fmt: skip
+    done = runner.generate(long, SamplingParams(max_new_tokens=40))
+    assert [r.error for r in done] == [None] * 4
+    assert [r.output for r in done] == want
+    assert verifier_residency(runner).stats.commits > 1
+
+
+@pytest.mark.parametrize(("k", "page", "least"), [(5, 4, 27), (3, 16, 18), (2, 64, 3 * 4 + 2)])
+def test_a_paged_verify_buffer_holds_the_pages_its_tokens_span(k: int, page: int, least: int):
+    """(k + 1) x top-k reads plus the pages k + 1 tokens can span at this page size: 6 tokens
+    span 3 pages of 4 (a buffer of 26 fitted no request at some positions: the runner spun)."""
+    modes = Modes(frozenset(), spec_tokens=k)
+    with pytest.raises(ValueError, match=f"at least {least}"):
+        check_hisparse(MODEL, least - 1, modes, page, max_running=4)
+    check_hisparse(MODEL, least, modes, page, max_running=4)
+
+
+def test_overlap_with_a_buffer_smaller_than_the_batch_is_refused() -> None:
+    """Overlapped batches are not cut to the buffer: each running request may write a page a
+    step, and a commit placing more pages than the buffer holds failed later requests."""
+    cc = MODEL.cache_config(page_size=PAGE, full_capacity=640, swa_capacity=192)
+    kw = dict(device="cpu", dtype=torch.float64, weights=weights(), chunk_tokens=24,
+              graph_decode=True, overlap=True, hisparse_pages=BUFFER_PAGES)  # fmt: skip
+    with pytest.raises(ValueError, match="overlap=False or a larger buffer"):
+        Runner(MODEL, cc, max_running=BUFFER_PAGES + 1, **kw)  # type: ignore[arg-type]
+    assert Runner(MODEL, cc, max_running=BUFFER_PAGES, **kw).overlap  # type: ignore[arg-type]

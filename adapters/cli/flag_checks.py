@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from adapters.engine.chunks import max_pages_spanned
 from shadowradix import CacheConfig
 
 
@@ -97,19 +98,24 @@ def check_speculative(shape: CacheConfig, draft_tokens: int | None, bounded_repl
         )
 
 
-def check_hisparse(pages: int | None, index_topk: int, speculative: int | None = None) -> None:
+def check_hisparse(
+    pages: int | None, index_topk: int, speculative: int | None = None, page_size: int = 1
+) -> None:
     """``--hisparse-pages``: one query's top-k pages plus the page it writes; with
-    ``--speculative K`` (verify steps run paged) ``K + 1`` queries' pages plus two written."""
+    ``--speculative K`` (verify steps run paged) ``K + 1`` queries' pages plus the pages the
+    ``K + 1`` tokens span at ``--page-size``."""
     if pages is not None and pages < index_topk + 1:
         raise FlagError(
             f"--hisparse-pages {pages} cannot hold one query's top-{index_topk} pages plus the "
             f"page it writes: at least {index_topk + 1}"
         )
     t = 1 + (speculative or 0)
-    if pages is not None and t > 1 and pages < t * index_topk + 2:
+    written = max_pages_spanned(t, page_size)
+    if pages is not None and t > 1 and pages < t * index_topk + written:
         raise FlagError(
             f"--hisparse-pages {pages} cannot hold a verify step of --speculative {t - 1}: "
-            f"{t} queries' top-{index_topk} pages plus 2 written, at least {t * index_topk + 2}"
+            f"{t} queries' top-{index_topk} pages plus {written} written, at least "
+            f"{t * index_topk + written}"
         )
 
 

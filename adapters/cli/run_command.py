@@ -123,7 +123,7 @@ def _check_flags(args: argparse.Namespace, model: ModelConfig) -> None:
     if getattr(args, "pool_budget_gib", None) is None:  # (with it: no HiSparse, exit 2)
         full = args.full_tokens or DEFAULT_FULL_TOKENS
         check_pools(shape, full, args.swa_tokens or DEFAULT_SWA_TOKENS)
-        check_hisparse(args.hisparse_pages, model.index_topk, args.speculative)
+        check_hisparse(args.hisparse_pages, model.index_topk, args.speculative, p)
     check_speculative(shape, args.speculative, args.bounded_replay)
     check_temperature(args.temperature, MIN_TEMPERATURE, MAX_TEMPERATURE)
 

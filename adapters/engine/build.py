@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from adapters.engine.chunks import max_pages_spanned
 from adapters.engine.drafts import DraftContext, DraftSource, MTPDraft
 from adapters.engine.forward import Forward
 from adapters.engine.model_runner import ModelRunner
+from adapters.engine.modes import Mode, Modes
 from adapters.engine.speculative import SpeculativeDecoder
 from adapters.forward.graph_decode import GraphDecoder
 from adapters.forward.graph_verify import GraphVerifier
@@ -87,14 +89,14 @@ def check_speculation(
 
 
 def check_hisparse(
-    model: ModelConfig, hisparse_pages: int | None, graph: bool = False,
-    speculative_tokens: int | None = None,
-) -> None:  # fmt: skip
-    """A HiSparse buffer that holds one query's top-k pages plus the page it writes, and with
-    speculation run paged (not ``graph``: the eager executor needs every page a step reads
-    resident) one verify step's ``k + 1`` queries' pages plus the two pages they may write.
-    Graph steps read missing pages from the host mirror. Its combinations with other modes:
-    `modes.check_modes`."""
+    model: ModelConfig, hisparse_pages: int | None, modes: Modes, page_size: int, max_running: int
+) -> None:
+    """A HiSparse buffer that holds one query's top-k pages plus the page it writes; with
+    speculation run paged (no graph decode: the eager executor needs every page a step reads
+    resident) one verify step's ``k + 1`` queries' pages plus the pages their tokens span; with
+    overlap scheduling (whose batches are not cut to the buffer) a page for each running
+    request. Graph steps read missing pages from the host mirror. Its combinations with other
+    modes: `modes.check_modes`."""
     if hisparse_pages is None:
         return
     k = model.index_topk
@@ -103,12 +105,19 @@ def check_hisparse(
             f"hisparse_pages={hisparse_pages} cannot hold one query's top-{k} pages plus the "
             "page it writes"
         )
-    t = 1 + (speculative_tokens if isinstance(speculative_tokens, int) else 0)
-    if not graph and t > 1 and hisparse_pages < t * k + 2:
+    t = 1 + modes.spec_tokens
+    need = t * k + max_pages_spanned(t, page_size)
+    if Mode.GRAPH_DECODE not in modes and t > 1 and hisparse_pages < need:
         raise ValueError(
             f"hisparse_pages={hisparse_pages} cannot hold a paged verify step's reads ({t} "
-            f"queries x top-{k} pages, plus 2 pages written): pass at least {t * k + 2}, or "
-            "graph_decode=True (graph verify reads missing pages from the host mirror)"
+            f"queries x top-{k} pages, plus the pages {t} tokens span): pass at least {need}, "
+            "or graph_decode=True (graph verify reads missing pages from the host mirror)"
+        )
+    if Mode.OVERLAP in modes and max_running > hisparse_pages:
+        raise ValueError(
+            f"overlap scheduling with HiSparse decodes up to max_running={max_running} requests "
+            f"a step, each writing a page, more than hisparse_pages={hisparse_pages} hold: pass "
+            "overlap=False or a larger buffer"
         )
 
 

@@ -155,3 +155,9 @@ class StepBudget:
 def written_pages(start: int, num_tokens: int, page_size: int) -> int:
     """The pages tokens ``[start, start + num_tokens)`` span: where their entries land."""
     return (start + num_tokens - 1) // page_size - start // page_size + 1
+
+
+def max_pages_spanned(num_tokens: int, page_size: int) -> int:
+    """The most pages ``num_tokens`` consecutive tokens can span (starting a token before a
+    page boundary)."""
+    return (num_tokens + page_size - 2) // page_size + 1

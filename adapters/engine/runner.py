@@ -37,7 +37,7 @@ from adapters.engine.chunks import StepBudget
 from adapters.engine.drafts import DraftSource
 from adapters.engine.emission import Emission
 from adapters.engine.forward import Forward
-from adapters.engine.modes import Mode, Modes, UnsupportedModeError, check_modes
+from adapters.engine.modes import Modes, UnsupportedModeError, check_modes
 from adapters.engine.overlap import OverlapDecode, check_overlap
 from adapters.engine.runner_stats import ExecutionPaths, RunnerStats
 from adapters.engine.sampling import Sampler, SamplingParams
@@ -130,7 +130,7 @@ class Runner:
         need = pool_bytes(model, cache_config, dtype, index_format, swa_format)
         check_pools_fit(need, self.device)  # before the cache's page lists and the pools
         self.cache = ShadowRadixCache(cache_config)
-        check_hisparse(model, hisparse_pages, Mode.GRAPH_DECODE in self.modes, speculative_tokens)
+        check_hisparse(model, hisparse_pages, self.modes, cache_config.page_size, max_running)
         draft = check_speculation(model, cache_config, speculative_tokens, draft)
         mtp = draft is not None and draft.uses_mtp
         self.pools = KVPools(

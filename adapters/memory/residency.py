@@ -298,6 +298,7 @@ class GraphResidency:
                 writes = writes[~np.isin(writes, ended)]
             counts = reads.numpy()[:pages]
             self._commit_layer(j, source, window_reads(counts, writes, ended), counts, writes)
+        self.offload.lives.settle()  # every layer planned: the next commit may come before a begin
         self.stats.commits += 1
         self.sync_table()  # queued behind the copies, while the launched step still runs
 
