@@ -35,8 +35,8 @@ def _stored(r: Runner, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tens
     and its live window's latents, in position order."""
     req = r.cache.admit(tokens, r.cache.match_prefix(tokens))
     plan = r.cache.read_plan(req)
-    entries = torch.as_tensor(plan.stream(4).entry_slots)
-    window = torch.as_tensor(plan.swa_slots[-SHORT.window :])
+    entries = torch.as_tensor(plan.stream(4).entry_slots.copy())  # the plan's arrays are read-only
+    window = torch.as_tensor(plan.swa_slots[-SHORT.window :].copy())
     out = []
     pools = [(k, entries) for k in r.pools.index_keys.values()]
     pools += [(s, window) for s in r.pools.swa[: SHORT.num_layers]]
