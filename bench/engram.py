@@ -8,8 +8,9 @@ allocated sizes: the pools' per-page bytes measured on ``meta`` pools (`pool_bud
 tables' bytes from `engram_table.init_table(..., "meta")`.
 
 Decode: one runner per placement (device, host; sharded needs a process group: see
-tests/test_engram_shard.py), the same prompts, greedy; tokens per second of the decode steps
-and whether the outputs equal the device placement's.
+tests/test_engram_shard.py), the same prompts, greedy; generated tokens per second of a whole
+`generate` (prefill included: with short prompts mostly decode) and whether the outputs equal
+the device placement's.
 
     python bench/engram.py                                    # CPU: tiny-engram decode
     python bench/engram.py --device cuda --preset flash-engram --engram-rows 4000000 \\
