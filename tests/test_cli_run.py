@@ -171,6 +171,25 @@ def test_run_with_hisparse_reports_its_buffer(capsys: pytest.CaptureFixture[str]
     assert main(argv + ["--quiet"]) == 0
     out = capsys.readouterr().out
     assert "HiSparse: 40 device pages per C4 layer" in out
+    assert "decode paged" in out and "in graph steps" not in out  # auto: paged with HiSparse
+
+
+@pytest.mark.parametrize("extra", [["--hisparse-pages", "40"],
+                                   ["--hisparse-pages", "98", "--speculative", "2"]])  # fmt: skip
+def test_graph_decode_on_with_hisparse(capsys: pytest.CaptureFixture[str], extra) -> None:  # type: ignore[no-untyped-def]
+    """``--graph-decode on --hisparse-pages N``: decode (or verify) steps through the graph
+    decoder's residency (eager on the CPU), the same greedy tokens as the paged path."""
+    argv = ["run", "In the beginning God created", "--device", "cpu", "--max-new-tokens", "12",
+            *extra]  # fmt: skip
+    assert main(argv + ["--graph-decode", "off"]) == 0
+    paged = capsys.readouterr().out
+    assert main(argv + ["--graph-decode", "on"]) == 0
+    graph = capsys.readouterr().out
+    assert "HiSparse in graph steps:" in graph and "in graph steps" not in paged
+    completion = [line for line in paged.splitlines() if line.startswith("[0] ")]
+    assert completion and completion == [ln for ln in graph.splitlines() if ln.startswith("[0] ")]
+    if "--speculative" not in extra:
+        assert "decode eager" in graph and "decode paged" in paged
 
 
 def test_cli_speculative(capsys) -> None:

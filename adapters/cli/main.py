@@ -122,9 +122,18 @@ def add_run_parser(sub) -> None:
         "--hisparse-pages",
         type=positive,
         help="keep C4 KV in host memory with this many device pages per C4 layer (at least the "
-        "model's top-k pages plus one, e.g. 33 for tiny-trained; with --speculative K, (K + 1) "
-        "x top-k + 2; prefill with a buffer much smaller than a prompt's C4 pages swaps at "
-        "every chunk and runs far slower)",
+        "model's top-k pages plus one, e.g. 33 for tiny-trained; with --speculative K run "
+        "paged, (K + 1) x top-k plus the pages K + 1 tokens span, 2 at page 64; prefill with a "
+        "buffer much smaller than a prompt's C4 pages swaps at every chunk and runs far slower)",
+    )
+    run.add_argument(
+        "--graph-decode",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the graph decoder (CUDA graphs on a GPU; its code eagerly on the CPU) for decode "
+        "and verify steps: auto (default) uses it on CUDA without --hisparse-pages; on also "
+        "with HiSparse (C4 pages missing from the buffer are read from the host mirror); off: "
+        "the paged path",
     )
     run.add_argument(
         "--tail-only",

@@ -60,6 +60,13 @@ def build_runner(args: argparse.Namespace) -> Runner:
         model = model.first_layers(args.layers)
     _check_flags(args, model)
     device = resolve_device(args.device)
+    overlapped = args.graph_decode == "on" and device.type == "cuda" and not args.speculative
+    if overlapped and args.hisparse_pages is not None and args.max_running > args.hisparse_pages:
+        raise FlagError(
+            f"--graph-decode on with --hisparse-pages {args.hisparse_pages}: overlapped decode of "
+            f"--max-running {args.max_running} requests writes up to a page each a step, more "
+            f"than the buffer holds: at most --max-running {args.hisparse_pages}"
+        )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the Runner's default
     weights = _weights(args, model, device, dtype)
     options = dict(
@@ -69,6 +76,7 @@ def build_runner(args: argparse.Namespace) -> Runner:
         chunk_tokens=args.chunk_tokens,
         max_running=args.max_running,
         hisparse_pages=args.hisparse_pages,
+        graph_decode={"auto": None, "on": True, "off": False}[args.graph_decode],
         tail_only=args.tail_only,
         speculative_tokens=args.speculative,
         draft=_draft(args, weights),
@@ -123,7 +131,8 @@ def _check_flags(args: argparse.Namespace, model: ModelConfig) -> None:
     if getattr(args, "pool_budget_gib", None) is None:  # (with it: no HiSparse, exit 2)
         full = args.full_tokens or DEFAULT_FULL_TOKENS
         check_pools(shape, full, args.swa_tokens or DEFAULT_SWA_TOKENS)
-        check_hisparse(args.hisparse_pages, model.index_topk, args.speculative, p)
+        paged = args.speculative if args.graph_decode != "on" else None  # verify paged
+        check_hisparse(args.hisparse_pages, model.index_topk, paged, p)
     check_speculative(shape, args.speculative, args.bounded_replay)
     check_temperature(args.temperature, MIN_TEMPERATURE, MAX_TEMPERATURE)
 
@@ -345,9 +354,18 @@ def summary(runner: Runner, results: list[GenerationResult], wall: float) -> str
     if runner.offload is not None:
         hs = runner.offload.coordinator.stats()
         lines.append(
-            f"HiSparse: {runner.offload.device_pages} device pages per C4 layer, reads hit "
-            f"{hs.read_hits / max(1, hs.reads):.1%}, {hs.swap_ins} swap-ins, {hs.evictions} "
-            f"evictions, {hs.backups} backups"
+            f"HiSparse: {runner.offload.device_pages} device pages per C4 layer, eager steps' "
+            f"reads hit {hs.read_hits / max(1, hs.reads):.1%}, {hs.swap_ins} swap-ins, "
+            f"{hs.evictions} evictions, {hs.backups} backups"
+        )
+    res = runner.model_runner.graph_hisparse
+    if res is not None:  # graph steps: entries read from the buffer or the mirror (zero-copy)
+        hit, read = res.hit_rate()
+        gs = res.stats
+        lines.append(
+            f"HiSparse in graph steps: {hit / max(1, read):.1%} of {read} entries read from the "
+            f"buffer, the rest from the host mirror; {gs.commits} commits, {gs.swap_in_pages} "
+            f"pages copied in, {gs.missed_pages} missed ({gs.dropped_misses} left on the host)"
         )
     if runner.spec is not None:
         sp = runner.spec.stats
