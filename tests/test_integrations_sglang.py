@@ -217,9 +217,10 @@ def loop_config(config: CacheConfig, longest: int, spare: int) -> CacheConfig:
     return dataclasses.replace(config, full_capacity=size, max_full_capacity=size, debug=True)
 
 
-@st.composite
-def workloads(draw: st.DrawFn) -> tuple[CacheConfig, list[Req], dict[str, int], int]:
-    config = draw(cache_configs(speculative=False))
+def draw_requests(draw: st.DrawFn, config: CacheConfig, make):  # type: ignore[no-untyped-def]
+    """1 to 6 requests ``make(rid, prompt)`` (which draws its own keys) with prompts cut from two
+    shared stems and tailed (sometimes the last one again: a batch computes it twice), and
+    their output lengths by rid."""
     p, w = config.page_size, config.window
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     stems = [rng.integers(0, ALPHABET, 2 * p + w).tolist() for _ in range(2)]
@@ -229,15 +230,40 @@ def workloads(draw: st.DrawFn) -> tuple[CacheConfig, list[Req], dict[str, int], 
         cut = draw(st.integers(0, len(stem)))
         tail = draw(st.lists(st.integers(0, ALPHABET - 1), max_size=5))
         prompt = (stem[:cut] + tail) or [1]
-        if reqs and draw(st.booleans()):  # the same prompt again (a batch computes it twice)
+        if reqs and draw(st.booleans()):
             prompt = list(reqs[-1].origin_input_ids)
-        reqs.append(Req(f"r{i}", prompt, extra_key=draw(st.sampled_from((None, None, "lora")))))
+        reqs.append(make(f"r{i}", prompt))
         max_new[f"r{i}"] = draw(st.integers(1, 6))
-    longest = max(len(r.origin_input_ids) + max_new[r.rid] for r in reqs)
+    return reqs, max_new
+
+
+def draw_sizes(draw: st.DrawFn, config: CacheConfig, longest: int) -> tuple[CacheConfig, int]:
+    """`loop_config` with spare pages, and a prefill token budget whose chunk's pages, beside
+    the window a request holds, always fit the SWA pool."""
+    p, w = config.page_size, config.window
     config = loop_config(config, longest, draw(st.integers(0, 2 * longest // p + 2)))
-    # a chunk's pages, beside the window a request holds, always fit the SWA pool
     chunk_pages = config.num_swa_pages - (-(-w // p) + 1)
-    budget = draw(st.integers(1, max(1, (chunk_pages - 1) * p + 1)))
+    return config, draw(st.integers(1, max(1, (chunk_pages - 1) * p + 1)))
+
+
+def drain(loop, reqs: list, check=lambda: None) -> None:  # type: ignore[no-untyped-def,type-arg]
+    """Steps ``loop`` (``check`` after each step) until ``reqs`` all finished."""
+    loop.waiting = list(reqs)
+    for _ in range(20 * sum(len(r.origin_input_ids) + 8 for r in reqs)):
+        if not (loop.waiting or loop.running or loop.chunked):
+            break
+        loop.step()
+        check()
+    assert len(loop.finished) == len(reqs), "the loop stalled"
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[CacheConfig, list[Req], dict[str, int], int]:
+    config = draw(cache_configs(speculative=False))
+    reqs, max_new = draw_requests(draw, config, lambda rid, prompt: Req(
+        rid, prompt, extra_key=draw(st.sampled_from((None, None, "lora")))))  # fmt: skip
+    longest = max(len(r.origin_input_ids) + max_new[r.rid] for r in reqs)
+    config, budget = draw_sizes(draw, config, longest)
     return config, reqs, max_new, budget
 
 
@@ -247,12 +273,7 @@ def test_scheduler_loop(workload: tuple[CacheConfig, list[Req], dict[str, int], 
     config, reqs, max_new, budget = workload
     tree = ShadowRadixSGLangCache(config)
     loop = SGLangLoop(tree, budget, max_new)
-    loop.waiting = list(reqs)
-    for _ in range(20 * sum(len(r.origin_input_ids) + 8 for r in reqs)):
-        if not (loop.waiting or loop.running or loop.chunked):
-            break
-        loop.step()
-    assert len(loop.finished) == len(reqs), "the loop stalled"
+    drain(loop, reqs)
     for name, count in (("retraction", loop.retractions), ("stale match", loop.stale),
                         ("prefix hit", loop.hits), ("dedup", loop.dedups)):  # fmt: skip
         event(f"{name}: {'yes' if count else 'no'}")

@@ -57,6 +57,15 @@ def _prefill(tree: ShadowRadixSGLang0523Cache, req: Req, chunk: int = 8) -> list
     return row
 
 
+def _admitted(tree: ShadowRadixSGLang0523Cache, req: Req, extend_end: int) -> Req:
+    """``req`` matched, locked and computing ``[prefix_len, extend_end)`` (not checkpointed)."""
+    init_next_round_input(req, tree)
+    req.lock = tree.lock(req.last_node)
+    req.extend_end = extend_end
+    tree.alloc_for_extend(req)
+    return req
+
+
 def _serve(tree: ShadowRadixSGLang0523Cache, req: Req) -> None:
     _prefill(tree, req)
     tree.alloc_for_decode([req])
@@ -164,10 +173,7 @@ def test_a_checkpoint_that_dedups_reports_the_rewrite() -> None:
     tree = _tree()
     a, b = Req("a", PROMPT), Req("b", PROMPT)
     for req in (a, b):
-        init_next_round_input(req, tree)
-        req.lock = tree.lock(req.last_node)
-        req.extend_end = len(PROMPT)
-        tree.alloc_for_extend(req)
+        _admitted(tree, req, len(PROMPT))
     assert checkpoint_kv_cache(a, tree).device_indices.size == 0  # nothing to swap
     b_row = tree.row_device_indices(b).copy()
     rewrite = checkpoint_kv_cache(b, tree)
@@ -185,11 +191,7 @@ def test_a_request_kept_out_of_the_tree_inserts_nothing() -> None:
     """``skip_radix_cache_insert``: checkpoints only advance the request, and even a finished
     release (``checkpoint=True``) inserts nothing."""
     tree = _tree()
-    req = Req("a", PROMPT, skip_radix_cache_insert=True)
-    init_next_round_input(req, tree)
-    req.lock = tree.lock(req.last_node)
-    req.extend_end = 12
-    tree.alloc_for_extend(req)
+    req = _admitted(tree, Req("a", PROMPT, skip_radix_cache_insert=True), 12)
     assert checkpoint_kv_cache(req, tree) is None and req.prefix_len == 12
     req.extend_end = 21
     tree.alloc_for_extend(req)
@@ -246,11 +248,7 @@ def test_a_bare_receipt_is_released_once_and_only_by_its_holder() -> None:
 def test_checkpoint_only_at_the_computed_length() -> None:
     tree = _tree()
     _serve(tree, Req("a", PROMPT))
-    req = Req("b", PROMPT + [7, 8, 9, 10, 11])
-    init_next_round_input(req, tree)
-    req.lock = tree.lock(req.last_node)
-    req.extend_end = 24
-    tree.alloc_for_extend(req)
+    req = _admitted(tree, Req("b", PROMPT + [7, 8, 9, 10, 11]), 24)
     fields = (req.lock, req.last_node, req.prefix_len, req.kv.cache_protected_len)
     for up_to in (23, 25, 20, True, "24"):
         _refused(tree, InvalidRequestError, tree.checkpoint, req, up_to=up_to)
@@ -301,11 +299,7 @@ def test_unsupported_calls_are_refused() -> None:
 def test_every_typed_error_leaves_the_cache_unchanged() -> None:
     tree = _tree()
     _serve(tree, Req("a", PROMPT))
-    running = Req("b", PROMPT + [5, 6, 7, 8, 9])
-    init_next_round_input(running, tree)
-    running.lock = tree.lock(running.last_node)
-    running.extend_end = 21
-    tree.alloc_for_extend(running)
+    running = _admitted(tree, Req("b", PROMPT + [5, 6, 7, 8, 9]), 21)
     salted = Req("c", PROMPT + [5], cache_salt="s")
     salted.prefix_len, salted.last_node = running.prefix_len, running.last_node  # unsalted match
     salted.extend_end = 22

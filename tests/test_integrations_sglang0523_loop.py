@@ -26,7 +26,7 @@ import itertools
 import numpy as np
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
-from test_integrations_sglang import ALPHABET, loop_config
+from test_integrations_sglang import ALPHABET, drain, draw_requests, draw_sizes
 
 from shadowradix import CacheConfig, StaleMatchError
 from shadowradix.integrations.sglang0523 import ShadowRadixSGLang0523Cache
@@ -230,44 +230,26 @@ class Loop0523:
 
 @st.composite
 def workloads(draw: st.DrawFn) -> tuple[CacheConfig, list[Req], dict[str, int], int]:
-    config = draw(cache_configs(speculative=False))
-    p, w = config.page_size, config.window
-    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
-    stems = [rng.integers(0, ALPHABET, 2 * p + w).tolist() for _ in range(2)]
-    reqs, max_new = [], {}
-    for i in range(draw(st.integers(1, 6))):
-        stem = stems[draw(st.integers(0, 1))]
-        cut = draw(st.integers(0, len(stem)))
-        tail = draw(st.lists(st.integers(0, ALPHABET - 1), max_size=5))
-        prompt = (stem[:cut] + tail) or [1]
-        if reqs and draw(st.booleans()):  # the same prompt again (a batch computes it twice)
-            prompt = list(reqs[-1].origin_input_ids)
-        req = Req(f"r{i}", prompt, extra_key=draw(st.sampled_from((None, None, "lora"))),
+    def make(rid: str, prompt: list[int]) -> Req:
+        req = Req(rid, prompt, extra_key=draw(st.sampled_from((None, None, "lora"))),
                   cache_salt=draw(st.sampled_from((None, None, "", "salt"))))  # fmt: skip
         req.skip_radix_cache_insert = draw(st.integers(0, 5)) == 0
-        reqs.append(req)
-        max_new[req.rid] = draw(st.integers(1, 6))
+        return req
+
+    config = draw(cache_configs(speculative=False))
+    reqs, max_new = draw_requests(draw, config, make)
     longest = max(len(r.origin_input_ids) + max_new[r.rid] for r in reqs)
-    config = loop_config(config, longest, draw(st.integers(0, 2 * longest // p + 2)))
-    # a chunk's pages, beside the window a request holds, always fit the SWA pool
-    chunk_pages = config.num_swa_pages - (-(-w // p) + 1)
-    budget = draw(st.integers(1, max(1, (chunk_pages - 1) * p + 1)))
+    config, budget = draw_sizes(draw, config, longest)
     return config, reqs, max_new, budget
 
 
 @given(workloads())
-@settings(settings.default, max_examples=max(20, settings.default.max_examples))
+@settings(settings.default, max_examples=max(20, 2 * settings.default.max_examples))
 def test_scheduler_loop(workload: tuple[CacheConfig, list[Req], dict[str, int], int]) -> None:
     config, reqs, max_new, budget = workload
     tree = ShadowRadixSGLang0523Cache(config)
     loop = Loop0523(tree, budget, max_new)
-    loop.waiting = list(reqs)
-    for _ in range(20 * sum(len(r.origin_input_ids) + 8 for r in reqs)):
-        if not (loop.waiting or loop.running or loop.chunked):
-            break
-        loop.step()
-        loop.check()
-    assert len(loop.finished) == len(reqs), "the loop stalled"
+    drain(loop, reqs, loop.check)
     for name, count in (("retraction", loop.retractions), ("stale match", loop.stale),
                         ("prefix hit", loop.hits), ("row rewrite", loop.rewrites)):  # fmt: skip
         event(f"{name}: {'yes' if count else 'no'}")
