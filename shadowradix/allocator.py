@@ -7,6 +7,7 @@ allocation undone by `give_back` (rejected drafts) restores the exact prior stat
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from typing import NewType
 
 import numpy as np
@@ -70,7 +71,7 @@ class PageAllocator:
         del free[-num_pages:]
         return pages
 
-    def free(self, pages: list[int]) -> None:
+    def free(self, pages: Iterable[int]) -> None:
         """Return pages in any order."""
         self._free.extend(pages)
 

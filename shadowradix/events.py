@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ConfigError, InvalidRequestError
+from .node import Pages
 
 ROOT_HASH = 0
 
@@ -157,49 +158,45 @@ class EventLog:
         """The chained hash of a page in the tree (`ROOT_HASH` without hashes)."""
         return self._hash[vpage] if self.hashes else ROOT_HASH
 
-    def inserted(self, parent_hash: int, tokens: np.ndarray, vpages: np.ndarray,
-                 swa_pages: np.ndarray, first_page: int, approximate: bool) -> None:  # fmt: skip
+    def inserted(self, parent_hash: int, tokens: np.ndarray, vpages: Pages,
+                 swa_pages: Pages, first_page: int, approximate: bool) -> None:  # fmt: skip
         """``parent_hash``: the hash of the page before the new ones, or the namespace's seed
         (`namespace_seed`) below a root."""
-        ids = vpages.tolist()
         if not self.hashes:
             if self._subs:
-                self._emit(KvEvent(KvEventKind.INSERTED, tuple(ids), tuple(swa_pages.tolist()),
+                self._emit(KvEvent(KvEventKind.INSERTED, vpages, swa_pages,
                                    first_page=first_page, approximate=approximate))  # fmt: skip
             return
         hashes = page_hashes(parent_hash, tokens, self.page_size)
-        self._hash.update(zip(ids, hashes))
+        self._hash.update(zip(vpages, hashes))
         if self._subs:
-            self._emit(KvEvent(KvEventKind.INSERTED, tuple(ids), tuple(swa_pages.tolist()),
+            self._emit(KvEvent(KvEventKind.INSERTED, vpages, swa_pages,
                                tuple(hashes), first_page, approximate, parent_hash,
                                tuple(tokens.tolist())))  # fmt: skip
 
-    def evicted(self, vpages: np.ndarray, swa_pages: np.ndarray, first_page: int) -> None:
-        ids = vpages.tolist()
+    def evicted(self, vpages: Pages, swa_pages: Pages, first_page: int) -> None:
         pop = self._hash.pop
-        hashes = tuple(pop(v) for v in ids) if self.hashes else ()
+        hashes = tuple(pop(v) for v in vpages) if self.hashes else ()
         if self._subs:
-            self._emit(KvEvent(KvEventKind.EVICTED, tuple(ids), tuple(swa_pages.tolist()),
+            self._emit(KvEvent(KvEventKind.EVICTED, vpages, swa_pages,
                                hashes, first_page))  # fmt: skip
 
-    def tombstoned(self, vpages: np.ndarray, swa_pages: np.ndarray, first_page: int) -> None:
+    def tombstoned(self, vpages: Pages, swa_pages: Pages, first_page: int) -> None:
         if self._subs:
-            ids = vpages.tolist()
-            hashes = tuple(self._hash[v] for v in ids) if self.hashes else ()
-            self._emit(KvEvent(KvEventKind.TOMBSTONED, tuple(ids),
-                               tuple(swa_pages.tolist()), hashes, first_page))  # fmt: skip
+            hashes = tuple(self._hash[v] for v in vpages) if self.hashes else ()
+            self._emit(KvEvent(KvEventKind.TOMBSTONED, vpages,
+                               swa_pages, hashes, first_page))  # fmt: skip
 
-    def revived(self, parent_hash: int, tokens: np.ndarray, vpages: np.ndarray,
-                swa_pages: np.ndarray, first_page: int) -> None:  # fmt: skip
+    def revived(self, parent_hash: int, tokens: np.ndarray, vpages: Pages,
+                swa_pages: Pages, first_page: int) -> None:  # fmt: skip
         if not self._subs:
             return
-        ids = vpages.tolist()
         if not self.hashes:
-            self._emit(KvEvent(KvEventKind.REVIVED, tuple(ids), tuple(swa_pages.tolist()),
+            self._emit(KvEvent(KvEventKind.REVIVED, vpages, swa_pages,
                                first_page=first_page))  # fmt: skip
             return
-        hashes = tuple(self._hash[v] for v in ids)
-        self._emit(KvEvent(KvEventKind.REVIVED, tuple(ids), tuple(swa_pages.tolist()),
+        hashes = tuple(self._hash[v] for v in vpages)
+        self._emit(KvEvent(KvEventKind.REVIVED, vpages, swa_pages,
                            hashes, first_page, False, parent_hash,
                            tuple(tokens.tolist())))  # fmt: skip
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from . import slots
 from .errors import CapacityError, ConfigError, InvalidRequestError
 from .relocation import RebalanceReport, relocate
@@ -104,9 +102,10 @@ class EvictionPolicy:
             vparts.append(vpages)
             sparts.append(swa_pages)
             freed, swa, removed = freed + len(vpages), swa + len(swa_pages), removed + 1
-        if removed:  # in eviction order, as if one by one (nothing reads the stacks meanwhile)
-            self._full.free(_ids(vparts))
-            self._swa.free(_ids(sparts))
+        for part in vparts:  # in eviction order, as if one by one
+            self._full.free(part)
+        for part in sparts:
+            self._swa.free(part)
         total = self._evicted_pages
         total[0], total[1], total[2] = total[0] + freed, total[1] + swa, total[2] + removed
         return EvictionReport(freed, swa, removed, 0)
@@ -124,8 +123,8 @@ class EvictionPolicy:
             avail = (tier0_end if tier0_end > live_from else tier1_end) - live_from
             parts.append(tree.tombstone(node, min(avail, num_pages - freed)))
             freed, tombstoned = freed + len(parts[-1]), tombstoned + 1
-        if parts:
-            self._swa.free(_ids(parts))
+        for part in parts:
+            self._swa.free(part)
         total = self._evicted_pages
         total[1], total[3] = total[1] + freed, total[3] + tombstoned
         return EvictionReport(0, freed, 0, tombstoned)
@@ -187,8 +186,3 @@ class EvictionPolicy:
         if targets[1] < self.config.window_pages + 1:
             raise ConfigError("swa capacity must hold at least one request's window")
         return targets[0], targets[1]
-
-
-def _ids(parts: list[np.ndarray]) -> list[int]:
-    """The page ids of ``parts`` in order, as one list (no concatenation for a single part)."""
-    return parts[0].tolist() if len(parts) == 1 else np.concatenate(parts).tolist()

@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .node import Node
-from .page_table import page_array
+from .node import NO_PAGES, Node, Pages
 from .request import Request
 
 if TYPE_CHECKING:
@@ -67,7 +66,7 @@ class TreeInsertion:
         request.approximate |= node.approximate  # it now reads that node's state
         freed_v = request.vpages.slice(lo, hi)
         self._full.free(freed_v)
-        request.vpages.replace(lo, hi, node.vpages.tolist())
+        request.vpages.replace(lo, hi, list(node.vpages))
         edits.wrote_vpages(lo, hi)
         live_abs = hi - len(node.swa_pages)
         freed_s = []
@@ -75,7 +74,7 @@ class TreeInsertion:
             i = k - base
             if request.swa_owned[i]:
                 freed_s.append(request.swa_pages[i])
-                request.swa_pages[i] = int(node.swa_pages[k - live_abs])
+                request.swa_pages[i] = node.swa_pages[k - live_abs]
                 request.swa_owned[i] = False
                 edits.wrote_swa(k, k + 1)
         self._swa.free(freed_s)
@@ -86,7 +85,7 @@ class TreeInsertion:
             revived = request.swa_pages[first - base : live_abs - base]
             assert all(request.swa_owned[first - base : live_abs - base])
             request.swa_owned[first - base : live_abs - base] = [False] * len(revived)
-            self._tree.revive(node, np.asarray(revived, dtype=np.int64))
+            self._tree.revive(node, tuple(revived))
 
     def _grow_tree(
         self, request: Request, parent: Node, tokens: np.ndarray, full_pages: int
@@ -99,12 +98,12 @@ class TreeInsertion:
         lo = parent.end_page
         live_lo = max(lo, request.swa_base)
         i0, i1 = live_lo - request.swa_base, full_pages - request.swa_base
-        swa = np.zeros(0, dtype=np.int64)
+        swa: Pages = NO_PAGES
         if live_lo < full_pages:
-            swa = page_array(request.swa_pages[i0:i1])
+            swa = tuple(request.swa_pages[i0:i1])
             assert all(request.swa_owned[i0:i1]), "private pages beyond the tree must be owned"
             request.swa_owned[i0:i1] = [False] * (i1 - i0)
-        vpages = page_array(request.vpages.slice(lo, full_pages))
+        vpages = tuple(request.vpages.slice(lo, full_pages))
         new_tokens = tokens.copy()
         if self._can_extend_own_leaf(request, parent, live_lo == lo):
             self._tree.extend_leaf(parent, new_tokens, vpages, swa)

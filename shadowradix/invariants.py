@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import chain
 from typing import Protocol
 
 import numpy as np
@@ -34,8 +36,8 @@ class CacheState(Protocol):
     def stats(self) -> CacheStats: ...
 
 
-def _concat(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+def _concat(parts: Sequence[Sequence[int]]) -> np.ndarray:
+    return np.fromiter(chain.from_iterable(parts), np.int64)
 
 
 def check_cache(cache: CacheState) -> None:
@@ -48,12 +50,11 @@ def check_cache(cache: CacheState) -> None:
     receipts = sum((r.full_receipt is not None) + (r.swa_receipt is not None) for r in requests)
     receipts += sum((q.full is not None) + (q.swa is not None) for q in cache._pins.values())
     require(receipts == len(locks), "live receipts not held by any request or pin")
-    owned_v = [n.vpages for n in nodes] + [np.asarray(r.vpages[r.tree_pages :]) for r in requests]
+    owned_v: list[Sequence[int]] = [n.vpages for n in nodes]
+    owned_v += [r.vpages[r.tree_pages :] for r in requests]
     cache._full.check_invariants(_concat(owned_v))
-    owned_s = [n.swa_pages for n in nodes]
-    owned_s += [
-        np.asarray([pg for pg, own in zip(r.swa_pages, r.swa_owned) if own]) for r in requests
-    ]
+    owned_s: list[Sequence[int]] = [n.swa_pages for n in nodes]
+    owned_s += [[pg for pg, own in zip(r.swa_pages, r.swa_owned) if own] for r in requests]
     cache._swa.check_invariants(_concat(owned_s))
     stats = cache.stats()
     for name, pool in (("full", stats.full), ("swa", stats.swa)):
@@ -87,7 +88,7 @@ def _check_request(cache: CacheState, r: Request) -> None:
     require(r.terminal.end_page == r.tree_pages, f"{r}: terminal does not end its tree prefix")
     require((r.full_receipt is not None) == (not r.terminal.is_root), f"{r}: full lock missing")
     path = r.terminal.path_from_root()
-    tree_vpages = _concat([n.vpages for n in path]).tolist()
+    tree_vpages = [v for n in path for v in n.vpages]
     require(r.vpages[: r.tree_pages] == tree_vpages, f"{r}: page table disagrees with its path")
     num_pages = slots.num_pages(len(r.tokens), p)
     require(len(r.vpages) == num_pages, f"{r}: {len(r.vpages)} virtual pages for {num_pages}")

@@ -7,6 +7,11 @@ pages first), so the SWA shadow is stored as that suffix only::
     pages      [0 .................................... n)
     swa        [ tombstoned      | live suffix         )
                                  ^ live_from = n - len(swa_pages)
+
+Page ids are tuples of ints: immutable, so a request's page table shares a node's tuple as it
+is, and page ids move between free lists, requests and nodes as the same int objects (no
+conversion to and from arrays on every insert and eviction). The tokens are a NumPy array (a
+match compares them in C).
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import numpy as np
 _ids = itertools.count()
 
 EMPTY = np.zeros(0, dtype=np.int64)
+#: a node's page ids (virtual or SWA): never changed in place
+Pages = tuple[int, ...]
+NO_PAGES: Pages = ()
 
 
 class Node:
@@ -46,8 +54,8 @@ class Node:
         parent: Node | None,
         tokens: np.ndarray,
         start_page: int,
-        vpages: np.ndarray,
-        swa_pages: np.ndarray,
+        vpages: Pages,
+        swa_pages: Pages,
         key: tuple[int, ...],
     ) -> None:
         self.id = next(_ids)

@@ -1,13 +1,13 @@
 """A request's virtual page table, sharing its admitted prefix with the tree.
 
 At admission a request's first pages are those of the tree path it resumes after. The table
-keeps that path's node arrays as they are (node page arrays are never written in place: splits
-take views, inserts make new arrays), so admitting a 128K-token prefix costs O(path nodes), not
-O(pages). Pages from ``base`` on are the request's own list::
+keeps that path's node page tuples as they are (immutable: splits and inserts make new ones),
+so admitting a 128K-token prefix costs O(path nodes), not O(pages). Pages from ``base`` on are
+the request's own list::
 
     pages   [0 ............. base)  [base ................ len)
             shared: the path's node  own: a list (inserted later, or private;
-            arrays, read-only        the cache appends, replaces and truncates here)
+            tuples                   the cache appends, replaces and truncates here)
 
 Readers see an immutable sequence of ints (``len``, indexing, slicing to a list, iteration,
 ``==`` with any list or tuple, ``np.asarray``: a new array). Every array it hands out is
@@ -27,7 +27,7 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
 
 
-def page_array(pages: list[int]) -> np.ndarray:
+def page_array(pages: Sequence[int]) -> np.ndarray:
     """``pages`` as a new read-only int64 array. Packing the ints with `struct` costs half of
     ``np.fromiter`` (a third of ``np.asarray``) once there are a few dozen of them."""
     n = len(pages)
@@ -39,11 +39,12 @@ def page_array(pages: list[int]) -> np.ndarray:
 
 
 class PageTable(Sequence[int]):
-    __slots__ = ("_segments", "_shared", "base", "own")
+    __slots__ = ("_segments", "_flat", "_shared", "base", "own")
 
-    def __init__(self, segments: Sequence[np.ndarray] = ()) -> None:
+    def __init__(self, segments: Sequence[tuple[int, ...]] = ()) -> None:
         self._segments = tuple(segments)
-        self._shared: np.ndarray | None = None  # the segments concatenated, on first need
+        self._flat: tuple[int, ...] | None = None  # the segments concatenated, on first need
+        self._shared: np.ndarray | None = None  # ``_flat`` as an array, on first need
         #: pages held in the shared segments; page ``base + i`` is ``own[i]``
         self.base = sum(len(s) for s in self._segments)
         self.own: list[int] = []
@@ -62,7 +63,7 @@ class PageTable(Sequence[int]):
         i = index + len(self) if index < 0 else index
         if not 0 <= i < len(self):
             raise IndexError("page table index out of range")
-        return self.own[i - self.base] if i >= self.base else int(self.shared()[i])
+        return self.own[i - self.base] if i >= self.base else self.flat()[i]
 
     def slice(self, lo: int, hi: int | None = None) -> list[int]:
         """Pages ``[lo, hi)`` (to the end without ``hi``) as a new list; ``0 <= lo``."""
@@ -71,26 +72,27 @@ class PageTable(Sequence[int]):
             hi = b + len(self.own)
         if lo >= b:
             return self.own[lo - b : max(hi - b, 0)]
-        head: list[int] = self.shared()[lo : min(hi, b)].tolist()
+        head = list(self.flat()[lo : min(hi, b)])
         return head + self.own[: hi - b] if hi > b else head
 
-    def shared(self) -> np.ndarray:
-        """The shared pages ``[0, base)`` as one read-only array (a node's own array is lent
-        as a read-only view: writing to it raises instead of corrupting the tree)."""
-        if self._shared is None:
+    def flat(self) -> tuple[int, ...]:
+        """The shared pages ``[0, base)`` as one tuple (a node's own, for a one-node path)."""
+        if self._flat is None:
             segs = self._segments
-            shared = segs[0] if len(segs) == 1 else np.concatenate(segs) if segs else _EMPTY
-            if shared.flags.writeable:
-                shared = shared.view() if len(segs) == 1 else shared
-                shared.flags.writeable = False
-            self._shared = shared
+            self._flat = segs[0] if len(segs) == 1 else tuple(chain.from_iterable(segs))
+        return self._flat
+
+    def shared(self) -> np.ndarray:
+        """The shared pages ``[0, base)`` as one read-only array (made on first need)."""
+        if self._shared is None:
+            self._shared = page_array(self.flat()) if self.base else _EMPTY
         return self._shared
 
     def tolist(self) -> list[int]:
-        return self.shared().tolist() + self.own  # type: ignore[no-any-return]
+        return [*self.flat(), *self.own]
 
     def __iter__(self) -> Iterator[int]:
-        return chain(self.shared().tolist(), self.own)
+        return chain(self.flat(), self.own)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = np.concatenate((self.shared(), page_array(self.own)))
@@ -126,4 +128,4 @@ class PageTable(Sequence[int]):
 
     def _unshare(self) -> None:
         self.own = self.tolist()
-        self._segments, self._shared, self.base = (), None, 0
+        self._segments, self._flat, self._shared, self.base = (), None, None, 0

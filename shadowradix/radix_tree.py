@@ -13,7 +13,7 @@ import numpy as np
 from .errors import require
 from .events import EventLog, namespace_seed
 from .lru import LruIndex, is_full_key
-from .node import EMPTY, Node
+from .node import EMPTY, NO_PAGES, Node, Pages
 
 
 class Walk:
@@ -41,7 +41,7 @@ class RadixTree:
         self.page_size = page_size
         self.index = index
         #: the default namespace's root; every namespace has its own (`root_of`)
-        self.root = Node(None, EMPTY, 0, EMPTY, EMPTY, ())
+        self.root = Node(None, EMPTY, 0, NO_PAGES, NO_PAGES, ())
         self._roots: dict[Hashable, Node] = {None: self.root}
         self._seeds: dict[int, int] = {self.root.id: namespace_seed(None)}
         #: Bumped by every change that can alter a match result.
@@ -55,7 +55,7 @@ class RadixTree:
         match or insert ever crosses from one namespace's subtree to another's)."""
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = Node(None, EMPTY, 0, EMPTY, EMPTY, ())
+            root = self._roots[namespace] = Node(None, EMPTY, 0, NO_PAGES, NO_PAGES, ())
             self._seeds[root.id] = namespace_seed(namespace)
         return root
 
@@ -138,8 +138,8 @@ class RadixTree:
         self,
         parent: Node,
         tokens: np.ndarray,
-        vpages: np.ndarray,
-        swa_pages: np.ndarray,
+        vpages: Pages,
+        swa_pages: Pages,
         approximate: bool = False,
     ) -> Node:
         key = tuple(tokens[: self.page_size].tolist())
@@ -158,9 +158,7 @@ class RadixTree:
             self.index.update(parent)  # it stopped being a leaf
         return leaf
 
-    def extend_leaf(
-        self, leaf: Node, tokens: np.ndarray, vpages: np.ndarray, swa_pages: np.ndarray
-    ) -> None:
+    def extend_leaf(self, leaf: Node, tokens: np.ndarray, vpages: Pages, swa_pages: Pages) -> None:
         """Append pages to a leaf instead of hanging a one-holder chain of nodes under it.
 
         ``swa_pages`` is the live suffix of the new pages; the caller guarantees the result is
@@ -172,13 +170,13 @@ class RadixTree:
             self.events.inserted(self._chain_after(leaf), tokens, vpages, swa_pages,
                                  leaf.end_page, leaf.approximate)  # fmt: skip
         leaf.tokens = np.concatenate((leaf.tokens, tokens))
-        leaf.vpages = np.concatenate((leaf.vpages, vpages))
-        leaf.swa_pages = np.concatenate((leaf.swa_pages, swa_pages))
+        leaf.vpages += vpages  # tuples: a new one (a request sharing the old keeps it)
+        leaf.swa_pages += swa_pages
         self.version += 1
         leaf.changed = leaf.grown = self.version
         self.index.update(leaf)
 
-    def remove_leaf(self, leaf: Node) -> tuple[np.ndarray, np.ndarray]:
+    def remove_leaf(self, leaf: Node) -> tuple[Pages, Pages]:
         """Detach an unlocked leaf; returns its (virtual pages, live SWA pages) to free."""
         assert not leaf.children and not leaf.full_lock_ref and leaf.parent is not None
         parent = leaf.parent
@@ -191,7 +189,7 @@ class RadixTree:
         leaf.changed = self.version
         return leaf.vpages, leaf.swa_pages
 
-    def tombstone(self, node: Node, num_pages: int) -> np.ndarray:
+    def tombstone(self, node: Node, num_pages: int) -> Pages:
         """Drop the SWA of the ``num_pages`` oldest live pages; the node stays matchable."""
         swa = node.swa_pages
         lf = len(node.vpages) - len(swa)  # node.live_from
@@ -203,16 +201,14 @@ class RadixTree:
         self.index.tombstoned(node, len(freed))
         return freed
 
-    def revive(self, node: Node, swa_pages: np.ndarray) -> None:
+    def revive(self, node: Node, swa_pages: Pages) -> None:
         """Prepend live SWA pages just before the node's live suffix (exact recomputation)."""
         assert len(node.swa_pages) + len(swa_pages) <= node.num_pages
-        node.swa_pages = np.concatenate((swa_pages, node.swa_pages))
+        node.swa_pages = swa_pages + node.swa_pages
         if self.events is not None:
             lf, p = node.live_from, self.page_size
             parent_hash = (
-                self.events.hash_of(int(node.vpages[lf - 1]))
-                if lf
-                else self._chain_after(node.parent)
+                self.events.hash_of(node.vpages[lf - 1]) if lf else self._chain_after(node.parent)
             )
             self.events.revived(parent_hash, node.tokens[lf * p : (lf + len(swa_pages)) * p],
                                 node.vpages[lf : lf + len(swa_pages)], swa_pages,
@@ -227,7 +223,7 @@ class RadixTree:
         assert node is not None and self.events is not None
         if node.is_root:
             return self._seeds[node.id]
-        return self.events.hash_of(int(node.vpages[-1]))
+        return self.events.hash_of(node.vpages[-1])
 
     def nodes(self) -> list[Node]:
         out, stack = [], [c for r in self._roots.values() for c in r.children.values()]
@@ -248,6 +244,10 @@ class RadixTree:
             require(n.start_page == parent.end_page, f"{n}: not contiguous with its parent")
             require(n.key == tuple(n.tokens[:p].tolist()), f"{n}: key is not its first page")
             require(len(n.swa_pages) <= n.num_pages, f"{n}: more SWA than pages")
+            require(
+                type(n.vpages) is tuple and type(n.swa_pages) is tuple,
+                f"{n}: page ids must be tuples (requests share them)",
+            )
             if not n.children and not n.full_lock_ref:
                 require(
                     bool(n.lru_keys) and is_full_key(n.lru_keys[0]),

@@ -25,7 +25,7 @@ import numpy as np
 from .allocator import PageAllocator
 from .deltas import PageTableDelta, TableChanges
 from .locks import Pool
-from .node import Node
+from .node import Node, Pages
 from .page_table import PageTable
 from .radix_tree import RadixTree
 from .request import Request
@@ -129,20 +129,16 @@ def relocate(
     return full_moves, swa_moves, tuple(changes)
 
 
-def _moved(pages: np.ndarray, cap: int) -> list[int]:
+def _moved(pages: Pages, cap: int) -> list[int]:
     """The ids of ``pages`` at or above ``cap`` (those a shrink to ``cap`` renames)."""
-    if not len(pages) or int(pages.max()) < cap:
-        return []
-    return pages[pages >= cap].tolist()  # type: ignore[no-any-return]
+    return [i for i in pages if i >= cap]
 
 
-def _renamed(pages: np.ndarray, remap: np.ndarray | None, cap: int) -> np.ndarray | None:
-    """``pages`` under ``remap`` as a new read-only array, or ``None`` when none moved."""
-    if remap is None or not len(pages) or int(pages.max()) < cap:
+def _renamed(pages: Pages, remap: np.ndarray | None, cap: int) -> Pages | None:
+    """``pages`` under ``remap`` (a new tuple), or ``None`` when none moved."""
+    if remap is None or not pages or max(pages) < cap:
         return None
-    out = remap[pages]
-    out.flags.writeable = False
-    return out
+    return tuple(remap[np.asarray(pages, dtype=np.int64)].tolist())
 
 
 def _rename_node(
@@ -161,9 +157,9 @@ def _rename_node(
     if events is not None:
         changed = np.zeros(node.num_pages, dtype=bool)
         if new_v is not None:
-            changed |= new_v != old_v
+            changed |= np.asarray(new_v) != np.asarray(old_v)
         if new_s is not None:
-            changed[live_from:] |= new_s != old_s
+            changed[live_from:] |= np.asarray(new_s) != np.asarray(old_s)
         hit = np.flatnonzero(changed)
         lo, hi = int(hit[0]), int(hit[-1]) + 1
         s_lo, s_hi = max(lo - live_from, 0), max(hi - live_from, 0)
@@ -171,9 +167,7 @@ def _rename_node(
     node.vpages = old_v if new_v is None else new_v
     node.swa_pages = old_s if new_s is None else new_s
     if events is not None:
-        parent_hash = (
-            events.hash_of(int(node.vpages[lo - 1])) if lo else tree._chain_after(node.parent)
-        )
+        parent_hash = events.hash_of(node.vpages[lo - 1]) if lo else tree._chain_after(node.parent)
         p = tree.page_size
         events.inserted(parent_hash, node.tokens[lo * p : hi * p], node.vpages[lo:hi],
                         node.swa_pages[s_lo:s_hi], node.start_page + lo,

@@ -25,6 +25,7 @@ changes the receiver, or raises and changes nothing.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -52,7 +53,7 @@ from .validation import TokenInput, as_tokens
 if TYPE_CHECKING:
     from .cache import ShadowRadixCache
     from .config import CacheConfig
-    from .node import Node
+    from .node import Node, Pages
 
 __all__ = [
     "ImportPlan",
@@ -102,7 +103,7 @@ def export_layout(
     p, w = cache.config.page_size, cache.config.window
     path = [] if match.node.is_root else match.node.path_from_root()
     end = n // p
-    full = np.concatenate([nd.vpages for nd in path])[:end] if path else NO_PAGES
+    full = np.fromiter(chain.from_iterable(nd.vpages for nd in path), np.int64)[:end]
     first = slots.window_first_page(n, w, p) if n else 0
     return PrefixLayout(
         tokens=frozen_pages(tokens[:n]),
@@ -135,7 +136,7 @@ def _source_tokens(cache: ShadowRadixCache, source: Request | TokenInput) -> np.
 
 def _window_pages(path: list[Node], first: int, end: int) -> np.ndarray:
     """The live SWA pages of absolute pages ``[first, end)``."""
-    parts = []
+    parts: list[Pages] = []
     for nd in path:
         lo, hi = max(first, nd.start_page), min(end, nd.end_page)
         if hi <= lo:
@@ -143,7 +144,7 @@ def _window_pages(path: list[Node], first: int, end: int) -> np.ndarray:
         live_abs = nd.end_page - len(nd.swa_pages)
         require(live_abs <= lo, f"export: window page {lo} of {nd!r} is not live")
         parts.append(nd.swa_pages[lo - live_abs : hi - live_abs])
-    return np.concatenate(parts) if parts else NO_PAGES
+    return np.fromiter(chain.from_iterable(parts), np.int64)
 
 
 # -- receiver --------------------------------------------------------------------------------
@@ -205,12 +206,12 @@ def import_prefix(
         live_abs = nd.end_page - len(nd.swa_pages)
         revived = [swa_of[k] for k in range(max(first, nd.start_page), live_abs)]
         if revived:
-            tree.revive(nd, np.array(revived, dtype=np.int64))
+            tree.revive(nd, tuple(revived))
     if need_v:
         p, lo = cache.config.page_size, node.end_page
         live = [swa_of[k] for k in range(max(lo, first), layout.num_pages)]
-        new_v, live_s = np.array(vpages, dtype=np.int64), np.array(live, dtype=np.int64)
-        leaf = tree.add_leaf(node, arr[lo * p :].copy(), new_v, live_s, layout.approximate)
+        leaf = tree.add_leaf(node, arr[lo * p :].copy(), tuple(vpages), tuple(live),
+                             layout.approximate)  # fmt: skip
         path.append(leaf)
     tree.touch(path)
     for receipt in reversed(held):

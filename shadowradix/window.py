@@ -9,10 +9,8 @@ from __future__ import annotations
 from itertools import compress
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from . import slots
-from .node import Node
+from .node import Node, Pages
 from .request import Request
 
 if TYPE_CHECKING:
@@ -33,14 +31,16 @@ class WindowTrim:
 
     def _tree_swa_pages(self, node: Node, first_page: int, end_page: int) -> list[int]:
         """Live tree SWA pages for ``[first_page, end_page)`` along the path ending at ``node``."""
-        parts = []
+        parts: list[Pages] = []
         n: Node | None = node
         while n is not None and not n.is_root and n.end_page > first_page:
             lo = max(first_page, n.start_page) - n.start_page
             assert lo >= n.live_from, "window pages must be live SWA"
             parts.append(n.swa_pages[lo - n.live_from :])
             n = n.parent
-        return np.concatenate(parts[::-1]).tolist() if parts else []
+        if len(parts) == 1:
+            return list(parts[0])
+        return [page for part in reversed(parts) for page in part]
 
     def _release_window(self, request: Request, computed_len: int) -> None:
         """Drop the window pages no step after ``computed_len`` tokens can read, and re-lock."""
@@ -58,7 +58,8 @@ class WindowTrim:
         drop = new_base - request.swa_base
         if drop <= 0:
             return False
-        freed = list(compress(request.swa_pages[:drop], request.swa_owned[:drop]))
+        owned = request.swa_owned[:drop]
+        freed = request.swa_pages[:drop] if all(owned) else list(compress(request.swa_pages, owned))
         self._swa.free(freed)
         if freed and self._tree.events is not None:
             self._tree.events.freed([], freed)

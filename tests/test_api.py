@@ -420,7 +420,7 @@ def test_a_match_survives_an_insert_off_its_path(world: World) -> None:
     c.finish(other)  # inserts a new leaf: the tree changed, not on m's path
     assert m.version != c._tree.version
     r = c.admit(world.x[:100] + [1], m)
-    assert r.length == 100 and r.vpages[:25] == c.match_prefix(world.x[:100]).node.vpages.tolist()
+    assert r.length == 100 and r.vpages[:25] == list(c.match_prefix(world.x[:100]).node.vpages)
     c.check_invariants()
 
 

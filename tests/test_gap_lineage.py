@@ -121,7 +121,7 @@ def test_an_exact_request_deduplicating_onto_a_replayed_node_becomes_approximate
     _replayed_branch(world)  # X + Y enter the tree while `exact` runs
     assert not exact.approximate
     world.cache.cache_unfinished(exact)
-    assert exact.vpages[8:12] == world.node_at(X + Y, 12).vpages.tolist(), "no dedup happened"
+    assert exact.vpages[8:12] == list(world.node_at(X + Y, 12).vpages), "no dedup happened"
     assert exact.approximate, "adopted a replayed node's pages but still claims to be exact"
     world.check_reads(exact)
     world._write(exact, world.cache.extend(exact, [4, 4, 4, 4]))  # decoded on approximate state

@@ -86,8 +86,8 @@ def _tree_truth(cache):
         path = n.path_from_root()
         tokens = np.concatenate([m.tokens for m in path])
         hs = page_hashes(ROOT_HASH, tokens, P)[n.start_page :]
-        hashes.update(zip(n.vpages.tolist(), hs))
-        swa.update(zip(n.vpages[n.live_from :].tolist(), n.swa_pages.tolist()))
+        hashes.update(zip(n.vpages, hs))
+        swa.update(zip(n.vpages[n.live_from :], n.swa_pages))
     return hashes, swa
 
 

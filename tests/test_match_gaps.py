@@ -49,7 +49,7 @@ def test_a_match_survives_changes_off_its_path():
     cache.evict(swa_tokens=4)  # a's head pages: off b's window
     r_b = cache.admit(b + [7], m_b)  # was StaleMatchError before matches were re-checked
     assert r_b.length == m_b.prefix_len == 32 and r_a.length == 20
-    assert r_b.vpages[:8] == cache.match_prefix(b).node.vpages.tolist()
+    assert r_b.vpages[:8] == list(cache.match_prefix(b).node.vpages)
     cache.check_invariants()
 
 

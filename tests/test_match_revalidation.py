@@ -101,7 +101,7 @@ def _tree_pages(cache: ShadowRadixCache, tokens: list[int], pages: int) -> list[
     walk = cache._tree.walk(np.asarray(tokens[: pages * cache.config.page_size]))
     out: list[int] = []
     for n in walk.nodes:
-        out += n.vpages.tolist()
+        out += n.vpages
     return out[:pages]
 
 

@@ -32,7 +32,7 @@ def test_namespaces_never_share_a_node():
     r = cache.admit(PROMPT + [1], namespace="tenant-b")  # hits its own copy
     assert r.length == 24
     assert set(r.vpages[:6]).isdisjoint(
-        cache.match_prefix(PROMPT, namespace="tenant-a").node.vpages.tolist()
+        cache.match_prefix(PROMPT, namespace="tenant-a").node.vpages
     )
     cache.check_invariants()
     assert cache.stats().full.evictable_pages == 12  # the pools are shared: a's and lora's

@@ -126,9 +126,7 @@ def test_check_invariants_fires_on_an_id_at_or_above_the_capacity() -> None:
     _, running = _fill(cache)
     cache.check_invariants()
     node = running.terminal
-    corrupt = node.vpages.copy()
-    corrupt[0] = cache._full.capacity  # an id with no physical row
-    node.vpages = corrupt
+    node.vpages = (cache._full.capacity, *node.vpages[1:])  # an id with no physical row
     with pytest.raises(InvariantError, match="outside"):
         cache.check_invariants()
 

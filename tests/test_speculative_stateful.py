@@ -152,17 +152,18 @@ def live_state(runner: Runner) -> dict[tuple, torch.Tensor]:
         for s in cc.streams:
             ends = np.arange(node.start_page * p, node.end_page * p)
             ends = ends[(ends + 1) % s.ratio == 0]
-            vpages = node.vpages[ends // p - node.start_page]
+            vpages = np.asarray(node.vpages, dtype=np.int64)[ends // p - node.start_page]
             entry_slots = compressed_slot(vpages, ends, p, s.ratio, s.slots_per_page)
             for i in layers[s.ratio]:
                 out[("node entries", rank, i)] = _entries(pools, i, entry_slots)
-                rows = (node.swa_pages[:, None] * s.ring_len + np.arange(s.ring_len)).ravel()
+                swa = np.asarray(node.swa_pages, dtype=np.int64)
+                rows = (swa[:, None] * s.ring_len + np.arange(s.ring_len)).ravel()
                 out[("node rows", rank, i)] = _rows(pools, i, rows)
-        slots = (node.swa_pages[:, None] * p + np.arange(p)).ravel()
+        slots = (np.asarray(node.swa_pages, dtype=np.int64)[:, None] * p + np.arange(p)).ravel()
         for i, pool in enumerate(pools.swa):
             out[("node swa", rank, i)] = pool[slots]
         if pools.page_hidden is not None:
-            out[("node hidden", rank)] = pools.page_hidden[node.swa_pages]
+            out[("node hidden", rank)] = pools.page_hidden[list(node.swa_pages)]
     return out
 
 
@@ -216,8 +217,11 @@ class SpeculativeMachine(RuleBasedStateMachine):
     def setup(self, page, drafting, chunk, max_running, extra_full, extra_swa, graph, seed):
         k, source = drafting
         full = -(-LONGEST // page) * page + extra_full // page * page
-        step = max(chunk, k + 1)  # a prefill chunk or a verify step, plus the window
-        swa = -(-(step + MODEL.window + 2 * page) // page) * page + extra_swa // page * page
+        # A request holds the window of its last step's start and that step's pages until its
+        # next step has allocated (then it trims): the window plus two steps, each a prefill
+        # chunk or a verify step, spanning one page more than their tokens at most.
+        step = max(chunk, k + 1)
+        swa = -(-(2 * step + MODEL.window + 2 * page) // page) * page + extra_swa // page * page
         cc = MODEL.cache_config(
             page_size=page, full_capacity=full, swa_capacity=swa, speculative=True, debug=True
         )

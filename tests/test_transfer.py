@@ -148,9 +148,10 @@ def test_import_reads_what_a_recomputation_writes(page, prompt, before, evict):
 def test_refusal_leaves_the_receiver_unchanged(page, prompt, full):
     """A receiver without room raises `ImportRefused` (NO_ROOM, with what it lacks) and stays
     snapshot-identical; the sender keeps its prefix once it releases the layout."""
-    sender = Pages(ShadowRadixCache(config(page)))
-    receiver = Pages(ShadowRadixCache(config(page, full=full, swa=max(full, 8 // page + 2))))
     tokens = prompt * 3 + [1]
+    room = -(-len(tokens) // page) + 1  # the sender computes the whole prompt in one step
+    sender = Pages(ShadowRadixCache(config(page, full=max(64, room), swa=max(24, room))))
+    receiver = Pages(ShadowRadixCache(config(page, full=full, swa=max(full, 8 // page + 2))))
     sender.serve(tokens)
     layout = export_layout(sender.cache, tokens, max_len=len(tokens) - 1)
     before = snapshot(receiver.cache)

@@ -22,8 +22,9 @@ def prefix_vpages(match: MatchResult) -> list[int]:
     if match.prefix_len == 0:
         return []
     path = match.node.path_from_root()
-    parts = [n.vpages for n in path[:-1]] + [path[-1].vpages[: match.node_pages]]
-    return np.concatenate(parts).tolist()  # type: ignore[no-any-return]
+    out = [v for n in path[:-1] for v in n.vpages]
+    out += path[-1].vpages[: match.node_pages]
+    return out
 
 
 def window_swa_pages(match: MatchResult, first_page: int) -> list[int]:
@@ -39,7 +40,7 @@ def window_swa_pages(match: MatchResult, first_page: int) -> list[int]:
         if lo >= used:
             continue
         assert lo >= n.live_from, "a LIVE match's window is live SWA"
-        out.extend(n.swa_pages[lo - n.live_from : used - n.live_from].tolist())
+        out.extend(n.swa_pages[lo - n.live_from : used - n.live_from])
     return out
 
 

@@ -13,8 +13,8 @@ def snapshot(cache: ShadowRadixCache) -> tuple[Any, ...]:
         (
             n.start_page,
             tuple(n.tokens.tolist()),
-            tuple(n.vpages.tolist()),
-            tuple(n.swa_pages.tolist()),
+            n.vpages,
+            n.swa_pages,
             n.full_lock_ref,
             tuple(sorted(n.swa_locks.items())),
             n.last_access,
@@ -69,8 +69,8 @@ def canonical_snapshot(cache: ShadowRadixCache) -> tuple[Any, ...]:
         (
             n.start_page,
             path_tokens(n),
-            rename("full", n.vpages.tolist()),
-            rename("swa", n.swa_pages.tolist()),
+            rename("full", n.vpages),
+            rename("swa", n.swa_pages),
             n.full_lock_ref,
             tuple(sorted(n.swa_locks.items())),
             n.last_access,
