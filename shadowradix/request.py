@@ -63,6 +63,7 @@ class Request:
         "own_leaf",
         "approximate",
         "_step_stamp",
+        "_remaining",
     )
 
     def __init__(
@@ -100,6 +101,9 @@ class Request:
         #: the stamp of the last `StepPlan` that extended it; ``None`` once another call
         #: changed it (that plan's reads are then stale)
         self._step_stamp: int | None = None
+        #: the last `prompt_remaining` view handed out: tokens of the prompt `admit` validated
+        #: (an extend given that very view skips checking them again)
+        self._remaining: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -159,7 +163,9 @@ class Request:
     @property
     def prompt_remaining(self) -> np.ndarray:
         """Prompt tokens not yet extended (empty once the prompt is consumed)."""
-        return self.prompt[self._len :] if self._len < len(self.prompt) else self.prompt[:0]
+        view = self.prompt[self._len :] if self._len < len(self.prompt) else self.prompt[:0]
+        self._remaining = view
+        return view
 
     @property
     def is_active(self) -> bool:
