@@ -70,7 +70,10 @@ class StepExtension:
     ) -> StepPlan:
         p = self.config.page_size
         needs = [self._pages_needed(r, len(a)) for r, a in zip(requests, arrays)]
-        evicted = self._reserve(sum(n[0] for n in needs), sum(n[1] for n in needs))
+        if len(needs) == 1:
+            evicted = self._reserve(*needs[0])
+        else:
+            evicted = self._reserve(sum(n[0] for n in needs), sum(n[1] for n in needs))
         pages = self._take_pages(needs)  # before any request changes: all or nothing
         stamp = next(self._step_stamps)
         runs, records = [], []
@@ -96,10 +99,9 @@ class StepExtension:
             r._step_stamp = stamp
             if vp or sp or r.swa_base != base:
                 records.append((r.id, v_end, vp, s_end, sp, base, r.swa_base))
-        starts = [run.start for run in runs]
         plan = StepPlan(
-            tuple(r.id for r in requests),
-            starts,
+            tuple([r.id for r in requests]),
+            [run.start for run in runs],
             [run.end for run in runs],
             evicted,
             False,

@@ -36,6 +36,9 @@ class Walk:
         return f"Walk(nodes={self.nodes!r}, last_pages={self.last_pages})"
 
 
+_NO_WALK = Walk((), 0)
+
+
 class RadixTree:
     def __init__(self, page_size: int, index: LruIndex) -> None:
         self.page_size = page_size
@@ -72,8 +75,10 @@ class RadixTree:
     ) -> Walk:
         """Longest page-aligned match of ``tokens`` below ``start``. ``tokens[0]`` is at position
         ``offset`` (at most where ``start`` ends: the tokens before it are not compared)."""
-        p = self.page_size
         node = start or self.root
+        if not node.children:  # nothing below: the walk ends where it starts
+            return _NO_WALK
+        p = self.page_size
         page = node.end_page
         limit = (offset + len(tokens)) // p if max_pages is None else max_pages
         nodes: list[Node] = []

@@ -76,7 +76,6 @@ class Request:
         #: tokens ``[0, _base)``: the admitted path's node arrays; ``[_base, _len)``: ``_buf``
         self._prefix = tuple(n.tokens for n in path)
         self._base = match.prefix_len
-        assert sum(len(t) for t in self._prefix) == self._base
         self._buf = np.empty(max(2 * (len(prompt) - self._base), 64), dtype=np.int64)
         self._len = self._base
         self.num_draft = 0
