@@ -277,7 +277,8 @@ class ShadowRadixCache(
                 self._locks.unlock(receipt)
         request.swa_receipt = request.full_receipt = None
         private_v = request.vpages.slice(request.tree_pages)
-        private_s = list(compress(request.swa_pages, request.swa_owned))
+        owned = request.swa_owned
+        private_s = list(compress(request.swa_pages, owned)) if any(owned) else []
         self._full.free(private_v)
         self._swa.free(private_s)
         if self._tree.events is not None:

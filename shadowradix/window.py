@@ -58,8 +58,11 @@ class WindowTrim:
         drop = new_base - request.swa_base
         if drop <= 0:
             return False
-        owned = request.swa_owned[:drop]
-        freed = request.swa_pages[:drop] if all(owned) else list(compress(request.swa_pages, owned))
+        owned = request.swa_owned[:drop]  # runs of one kind are the rule: skip compress for them
+        if all(owned):
+            freed = request.swa_pages[:drop]
+        else:
+            freed = list(compress(request.swa_pages, owned)) if any(owned) else []
         self._swa.free(freed)
         if freed and self._tree.events is not None:
             self._tree.events.freed([], freed)
