@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import Hashable, Sequence
 from itertools import compress
-from typing import cast
 
 import numpy as np
 
@@ -116,10 +115,7 @@ class ShadowRadixCache(
         again), `InvalidRequestError` if ``tokens`` do not start with the matched prefix,
         `CapacityError` if the replay window cannot be allocated.
         """
-        if tokens is not None and isinstance(match, MatchResult) and tokens is match._source:
-            arr = cast(np.ndarray, tokens)  # `match_prefix` validated it and cut ``match`` from it
-        else:
-            arr = as_tokens(tokens, "prompt")
+        arr = as_tokens(tokens, "prompt")
         if match is None:
             match = self._match(arr, self._hashable(namespace))  # of ``arr`` itself: current
         else:
@@ -224,12 +220,7 @@ class ShadowRadixCache(
         singles = single_tokens(tokens)
         if singles is not None:
             return self._extend_decode(requests, singles)
-        arrays = []
-        for r, t in zip(requests, tokens):
-            view = r._remaining  # the validated prompt's `prompt_remaining`, given back as it is
-            arrays.append(
-                view if t is view and view is not None and len(view) else as_tokens(t, "tokens")
-            )
+        arrays = [as_tokens(t, "tokens") for t in tokens]
         return self._extend(requests, arrays, draft=False)
 
     # -- caching and completion ----------------------------------------------------------------

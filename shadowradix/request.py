@@ -63,7 +63,6 @@ class Request:
         "own_leaf",
         "approximate",
         "_step_stamp",
-        "_remaining",
     )
 
     def __init__(
@@ -100,9 +99,6 @@ class Request:
         #: the stamp of the last `StepPlan` that extended it; ``None`` once another call
         #: changed it (that plan's reads are then stale)
         self._step_stamp: int | None = None
-        #: the last `prompt_remaining` view handed out: tokens of the prompt `admit` validated
-        #: (an extend given that very view skips checking them again)
-        self._remaining: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -162,9 +158,7 @@ class Request:
     @property
     def prompt_remaining(self) -> np.ndarray:
         """Prompt tokens not yet extended (empty once the prompt is consumed)."""
-        view = self.prompt[self._len :] if self._len < len(self.prompt) else self.prompt[:0]
-        self._remaining = view
-        return view
+        return self.prompt[self._len :] if self._len < len(self.prompt) else self.prompt[:0]
 
     @property
     def is_active(self) -> bool:

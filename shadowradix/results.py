@@ -59,7 +59,7 @@ class MatchResult:
     #: it `admit` re-checks the path instead of walking the tokens again
     _walk_end: Node | None = field(init=False, repr=False, default=None, compare=False)
     #: the validated array ``tokens`` was cut from (``max_len``), set with ``_seal``: `admit`
-    #: given that very array skips validating it again and comparing the prefix with itself
+    #: given that very array skips comparing the prefix with itself
     _source: object = field(init=False, repr=False, default=None, compare=False)
 
     @property

@@ -240,37 +240,31 @@ def test_capacity_error_copies_and_pickles() -> None:
         assert (twin.pool, twin.needed_pages, twin.available_pages) == ("swa", 3, 1)
 
 
-def test_validated_prompts_are_not_checked_twice_but_other_tokens_are(monkeypatch):
-    """`admit` given the array its match was cut from, and `extend` given the request's own
-    `prompt_remaining` view, reuse the validation `match_prefix` did; any other array (a copy,
-    a chunk of the view, decoded tokens) is checked, and bad tokens are still refused."""
-    import shadowradix.cache as cache_module
-
-    cache = ShadowRadixCache(CacheConfig(**SMALL))
+def test_tokens_changed_in_place_after_a_call_are_checked_again():
+    """The core keeps the caller's int64 arrays without copying them, so a later call is never
+    spared its checks because it was given the same object: a prompt written to between
+    `match_prefix` and `admit`, or between `admit` and the extend of its `prompt_remaining`
+    (even reshaped in place), is refused with the cache unchanged."""
+    cache = ShadowRadixCache(CacheConfig(**SMALL, debug=True))
     prompt = np.arange(1, 41, dtype=np.int64)
-    checked: list[int] = []
-    real = cache_module.as_tokens
-
-    def counting(tokens, what):
-        checked.append(len(tokens))
-        return real(tokens, what)
-
-    monkeypatch.setattr(cache_module, "as_tokens", counting)
-    r = cache.admit(prompt, cache.match_prefix(prompt, len(prompt) - 1))
-    cache.extend(r, r.prompt_remaining)
-    assert checked == [] and r.length == 40
-    cache.extend(r, [7])  # a one-token step: the decode path's own check
-    chunk = np.array([5, 6], dtype=np.int64)
-    cache.extend(r, chunk)
-    assert checked == [2]
+    match = cache.match_prefix(prompt, len(prompt) - 1)
+    prompt[5] = -7
     before = _snapshot(cache)
     with pytest.raises(InvalidRequestError):
-        cache.extend(r, np.array([1, -2], dtype=np.int64))
-    with pytest.raises(InvalidRequestError):
-        cache.extend(r, r.prompt_remaining)  # consumed: an empty view is still refused
-    bad = prompt.copy()
-    bad[-1] = -1
-    with pytest.raises(InvalidRequestError):
-        cache.admit(bad, cache.match_prefix(prompt, len(prompt) - 1))  # not the match's array
+        cache.admit(prompt, match)
     assert _snapshot(cache) == before
+    prompt[5] = 6
+    r = cache.admit(prompt, cache.match_prefix(prompt, len(prompt) - 1))
+    prompt[10] = -3
+    before = _snapshot(cache)
+    with pytest.raises(InvalidRequestError):
+        cache.extend(r, r.prompt_remaining)
+    prompt[10] = 11
+    view = r.prompt_remaining
+    view.shape = (4, 10)
+    with pytest.raises(InvalidRequestError):
+        cache.extend(r, view)
+    assert _snapshot(cache) == before
+    cache.extend(r, r.prompt_remaining)
+    cache.finish(r)
     cache.check_invariants()
