@@ -93,19 +93,15 @@ class EvictionPolicy:
         if num_pages <= 0:
             return NO_EVICTION
         freed = swa = removed = 0
-        index, tree, vparts, sparts = self._index, self._tree, [], []
+        index, tree = self._index, self._tree
         while freed < num_pages:
             leaf = index.oldest_full_leaf()
             if leaf is None:
                 break
             vpages, swa_pages = tree.remove_leaf(leaf)
-            vparts.append(vpages)
-            sparts.append(swa_pages)
+            self._full.free(vpages)
+            self._swa.free(swa_pages)
             freed, swa, removed = freed + len(vpages), swa + len(swa_pages), removed + 1
-        for part in vparts:  # in eviction order, as if one by one
-            self._full.free(part)
-        for part in sparts:
-            self._swa.free(part)
         total = self._evicted_pages
         total[0], total[1], total[2] = total[0] + freed, total[1] + swa, total[2] + removed
         return EvictionReport(freed, swa, removed, 0)
@@ -114,17 +110,16 @@ class EvictionPolicy:
         if num_pages <= 0:
             return NO_EVICTION
         freed = tombstoned = 0
-        index, tree, parts = self._index, self._tree, []
+        index, tree = self._index, self._tree
         while freed < num_pages:
             node = index.oldest_swa()  # its tiers are up to date
             if node is None:
                 break
             tier0_end, tier1_end, live_from = node.lru_tiers
             avail = (tier0_end if tier0_end > live_from else tier1_end) - live_from
-            parts.append(tree.tombstone(node, min(avail, num_pages - freed)))
-            freed, tombstoned = freed + len(parts[-1]), tombstoned + 1
-        for part in parts:
-            self._swa.free(part)
+            pages = tree.tombstone(node, min(avail, num_pages - freed))
+            self._swa.free(pages)
+            freed, tombstoned = freed + len(pages), tombstoned + 1
         total = self._evicted_pages
         total[1], total[3] = total[1] + freed, total[3] + tombstoned
         return EvictionReport(0, freed, 0, tombstoned)

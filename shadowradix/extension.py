@@ -70,10 +70,7 @@ class StepExtension:
     ) -> StepPlan:
         p = self.config.page_size
         needs = [self._pages_needed(r, len(a)) for r, a in zip(requests, arrays)]
-        if len(needs) == 1:
-            evicted = self._reserve(*needs[0])
-        else:
-            evicted = self._reserve(sum(n[0] for n in needs), sum(n[1] for n in needs))
+        evicted = self._reserve(sum(n[0] for n in needs), sum(n[1] for n in needs))
         pages = self._take_pages(needs)  # before any request changes: all or nothing
         stamp = next(self._step_stamps)
         runs, records = [], []

@@ -6,7 +6,7 @@ moved past them, and the lock that keeps the tree pages it still reads from bein
 
 from __future__ import annotations
 
-from itertools import compress
+from itertools import chain, compress
 from typing import TYPE_CHECKING
 
 from . import slots
@@ -38,9 +38,7 @@ class WindowTrim:
             assert lo >= n.live_from, "window pages must be live SWA"
             parts.append(n.swa_pages[lo - n.live_from :])
             n = n.parent
-        if len(parts) == 1:
-            return list(parts[0])
-        return [page for part in reversed(parts) for page in part]
+        return list(chain.from_iterable(reversed(parts)))
 
     def _release_window(self, request: Request, computed_len: int) -> None:
         """Drop the window pages no step after ``computed_len`` tokens can read, and re-lock."""
